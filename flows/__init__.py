@@ -1,0 +1,1 @@
+"""Prefect flows: one per stage and the full pipeline. They only wire the DAG."""

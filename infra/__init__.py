@@ -1,0 +1,1 @@
+"""Storage, launching, recipes and tracking shared by every stage."""

@@ -1,0 +1,369 @@
+"""Recipes: one YAML file is the whole experiment, validated by typed pydantic models.
+
+Every model forbids unknown keys, so a misspelt key fails at load time with its dotted path and
+the file name instead of being silently ignored halfway through a run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from infra.errors import SmolflowError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+
+class RecipeError(SmolflowError, ValueError):
+    """A recipe that cannot be used as written; the message names the file and the key."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+def parse_count(value: Any) -> Any:
+    """Accept token counts written as `20M`, `1.5B`, `11T` as well as plain integers."""
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMBGT]?)\s*", value, flags=re.IGNORECASE)
+        if not match:
+            raise ValueError(f"expected a count such as 20M or 1.5B, got {value!r}")
+        return int(float(match.group(1)) * _SUFFIXES[match.group(2).upper()])
+    return value
+
+
+Count = Annotated[int, BeforeValidator(parse_count), Field(gt=0)]
+Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
+
+
+class SlurmCfg(Strict):
+    partition: str = "cpu"
+    time: str = "24:00:00"
+    cpus_per_task: int = Field(1, gt=0)
+    mem_per_cpu_gb: float = Field(2, gt=0)
+    sbatch_args: dict[str, str] = {}
+
+
+class ExecutorCfg(Strict):
+    """How datatrove runs a pipeline: locally, or scaled out on Slurm or Ray."""
+
+    kind: Literal["local", "slurm", "ray"] = "local"
+    tasks: int = Field(2, gt=0, description="shards a pipeline is split into")
+    workers: int = Field(2, gt=0, description="shards run at once (local executor)")
+    slurm: SlurmCfg = SlurmCfg()
+
+
+class S3Cfg(Strict):
+    """Where s3:// paths live; credentials fall back to the standard AWS_* environment variables."""
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    key: SecretStr | None = None
+    secret: SecretStr | None = None
+
+    def storage_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        if self.key is not None:
+            options["key"] = self.key.get_secret_value()
+        if self.secret is not None:
+            options["secret"] = self.secret.get_secret_value()
+        client: dict[str, Any] = {}
+        if self.endpoint_url:
+            client["endpoint_url"] = self.endpoint_url
+        if self.region:
+            client["region_name"] = self.region
+        if client:
+            options["client_kwargs"] = client
+        return options
+
+
+class StorageCfg(Strict):
+    s3: S3Cfg = S3Cfg()
+    mirror: str | None = Field(None, description="s3:// prefix every finished step is mirrored to")
+
+    @model_validator(mode="after")
+    def _mirror_is_s3(self) -> StorageCfg:
+        if self.mirror is not None and not self.mirror.startswith("s3://"):
+            raise ValueError(f"mirror must be an s3:// prefix, got {self.mirror!r}")
+        return self
+
+
+class SourceCfg(Strict):
+    """One raw data source. `path` is a local folder or file, an s3:// prefix or hf://datasets/..."""
+
+    name: Name
+    domain: Name
+    format: Literal["embedded", "jsonl", "parquet", "text"]
+    path: str | None = None
+    glob: str | None = Field(None, description="file pattern inside `path`, e.g. '*.jsonl.gz'")
+    text_key: str = "text"
+    id_key: str = "id"
+    limit: int | None = Field(None, gt=0, description="read at most this many documents")
+
+    @model_validator(mode="after")
+    def _path_matches_format(self) -> SourceCfg:
+        if self.format == "embedded":
+            if self.path is not None:
+                raise ValueError("an embedded source is built by the project and takes no path")
+            if self.domain not in ("prose", "code", "math"):
+                raise ValueError(f"an embedded source's domain is prose, code or math, not {self.domain!r}")
+        elif not self.path:
+            raise ValueError(f"a {self.format} source needs a path (local folder, s3:// or hf://datasets/...)")
+        return self
+
+
+class EmbeddedCorpusCfg(Strict):
+    """Sizes of the corpus built from the stdlib and generated math (see tasks/curation/corpus.py)."""
+
+    stdlib_max_mb: float | None = Field(None, gt=0, description="cap on stdlib source read; null = all")
+    math_problems: int = Field(60_000, ge=0)
+    problems_per_doc: int = Field(12, gt=0)
+    max_value: int = Field(99, gt=0, description="largest operand in generated problems")
+
+
+# Filters: recipe name -> (datatrove class path, keys that name a downloaded asset).
+FILTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "gopher_quality": ("datatrove.pipeline.filters.GopherQualityFilter", ()),
+    "gopher_repetition": ("datatrove.pipeline.filters.GopherRepetitionFilter", ()),
+    "c4_quality": ("datatrove.pipeline.filters.C4QualityFilter", ()),
+    "fineweb_quality": ("datatrove.pipeline.filters.FineWebQualityFilter", ()),
+    "language": ("datatrove.pipeline.filters.LanguageFilter", ("model_path",)),
+    "c4_badwords": ("datatrove.pipeline.filters.C4BadWordsFilter", ("badwords_path",)),
+    "unigram_logprob": ("datatrove.pipeline.filters.UnigramLogProbFilter", ("frequencies_path",)),
+    "fasttext_classifier": ("datatrove.pipeline.filters.FastTextClassifierFilter", ("model_url",)),
+    "code_quality": ("tasks.curation.filters.CodeQualityFilter", ()),
+    "length": ("tasks.curation.filters.LengthFilter", ()),
+}
+# Keys the pipeline sets itself; a recipe cannot override them.
+RESERVED_FILTER_KEYS = {"exclusion_writer", "language", "self", "args", "kwargs"}
+
+
+def filter_class(name: str) -> type:
+    module, _, cls = FILTERS[name][0].rpartition(".")
+    return getattr(__import__(module, fromlist=[cls]), cls)
+
+
+def _check_filter_params(name: str, params: dict[str, Any]) -> None:
+    if name not in FILTERS:
+        raise ValueError(f"unknown filter {name!r}; known filters: {', '.join(sorted(FILTERS))}")
+    accepted = set(inspect.signature(filter_class(name).__init__).parameters) - RESERVED_FILTER_KEYS
+    accepted |= set(FILTERS[name][1])
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise ValueError(f"filter {name!r} has no parameter {unknown[0]!r}; it takes: {', '.join(sorted(accepted))}")
+    for asset in FILTERS[name][1]:
+        if not params.get(asset):
+            raise ValueError(
+                f"filter {name!r} needs a downloaded asset: set {asset} to a local path or s3:// URL "
+                "(it cannot be fetched offline), or remove the filter"
+            )
+
+
+class MinhashCfg(Strict):
+    enabled: bool = True
+    n_grams: int = Field(5, gt=0)
+    buckets: int = Field(14, gt=0)
+    hashes_per_bucket: int = Field(8, gt=0)
+    normalize_numbers: bool = Field(
+        False, description="map every number to 0 before hashing (datatrove's default); makes templated math "
+        "worksheets look like copies of each other"
+    )
+
+
+class DedupCfg(Strict):
+    exact: bool = True
+    minhash: MinhashCfg = MinhashCfg()
+
+
+class DecontCfg(Strict):
+    """Remove training documents that contain n-grams of the eval sets' items."""
+
+    enabled: bool = True
+    eval_sets: list[str] = []
+    fields: list[str] = Field(["question", "answer"], description="JSONL fields whose text is indexed")
+    n_grams: int = Field(10, gt=1)
+
+
+class TokenizerTrainCfg(Strict):
+    vocab_size: int = Field(4096, ge=300)
+    min_frequency: int = Field(2, ge=1)
+    sample_mb: float = Field(32, gt=0, description="curated text the BPE is trained on")
+
+
+class TokenizerCfg(Strict):
+    """Either train a byte-level BPE on the curated text, or name an existing tokenizer.json."""
+
+    train: TokenizerTrainCfg | None = None
+    path: str | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizerCfg:
+        if (self.train is None) == (self.path is None):
+            raise ValueError("give exactly one of `train` (train a BPE) or `path` (an existing tokenizer.json)")
+        if self.path is not None and not self.path.endswith("tokenizer.json"):
+            raise ValueError("path must point at tokenizer.json itself (a folder is read as a hub repo id)")
+        return self
+
+
+class CurateCfg(Strict):
+    strict: bool = Field(False, description="fail on a malformed record instead of skipping and counting it")
+    filters: dict[Name, dict[str, dict[str, Any]]] = Field(
+        default_factory=dict, description="domain -> filter name -> datatrove parameters"
+    )
+    dedup: DedupCfg = DedupCfg()
+    decontamination: DecontCfg = DecontCfg()
+    tokenizer: TokenizerCfg
+    examples_per_filter: int = Field(3, ge=0, description="removed documents shown in the report")
+
+    @model_validator(mode="after")
+    def _filters_known(self) -> CurateCfg:
+        for domain, filters in self.filters.items():
+            for name, params in filters.items():
+                try:
+                    _check_filter_params(name, params or {})
+                except ValueError as err:
+                    raise ValueError(f"filters.{domain}.{name}: {err}") from None
+        return self
+
+
+class StageCfg(Strict):
+    """A pretraining stage: a token budget and the mixture of sources it is drawn from."""
+
+    name: Name
+    tokens: Count
+    mixture: dict[Name, float]
+    seq_len: int | None = Field(None, gt=0, description="defaults to pretrain.seq_len")
+
+    @model_validator(mode="after")
+    def _weights(self) -> StageCfg:
+        if not self.mixture:
+            raise ValueError("mixture is empty")
+        bad = {k: w for k, w in self.mixture.items() if not (0 < w <= 1)}
+        if bad:
+            raise ValueError(f"mixture weights must be in (0, 1], got {bad}")
+        total = sum(self.mixture.values())
+        if not math.isclose(total, 1.0, abs_tol=1e-6):
+            raise ValueError(f"mixture weights sum to {total:g}, not 1")
+        return self
+
+
+class PretrainCfg(Strict):
+    seq_len: int = Field(gt=0)
+    max_epochs: float = Field(4.0, gt=0, description="fail when a stage repeats a source more often")
+    stages: list[StageCfg] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> PretrainCfg:
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique, got {names}")
+        return self
+
+
+class Recipe(Strict):
+    name: Name
+    seed: int = 0
+    executor: ExecutorCfg = ExecutorCfg()
+    storage: StorageCfg = StorageCfg()
+    sources: list[SourceCfg] = Field(min_length=1)
+    embedded: EmbeddedCorpusCfg = EmbeddedCorpusCfg()
+    curate: CurateCfg
+    pretrain: PretrainCfg
+
+    @model_validator(mode="after")
+    def _cross_refs(self) -> Recipe:
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"source names must be unique, got {names}")
+        for i, source in enumerate(self.sources):
+            if source.domain not in self.curate.filters:
+                raise ValueError(
+                    f"sources[{i}] ({source.name}): domain {source.domain!r} has no filter set in curate.filters "
+                    f"(have: {', '.join(sorted(self.curate.filters)) or 'none'}); give it one, even an empty {{}}"
+                )
+        for i, stage in enumerate(self.pretrain.stages):
+            unknown = sorted(set(stage.mixture) - set(names))
+            if unknown:
+                raise ValueError(f"pretrain.stages[{i}].mixture: unknown source {unknown[0]!r} (sources: {names})")
+        return self
+
+    def source(self, name: str) -> SourceCfg:
+        return next(s for s in self.sources if s.name == name)
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).startswith("function-after") and not str(part).startswith("function-before"):
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid recipe ({err.error_count()} problem{'s' if err.error_count() > 1 else ''})"]
+    for e in err.errors():
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (misspelt?)"
+        lines.append(f"  {_loc(e['loc'])}: {msg}")
+    return "\n".join(lines)
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Set `a.b.0.c=value` in nested recipe data; the value is parsed as YAML."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"--set {assignment!r}: expected key.path=value")
+    parts = key.split(".")
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise RecipeError(f"--set {key}: {'.'.join(parts[:i]) or 'recipe'} has no item {part}")
+            node = node[int(part)]
+        elif isinstance(node, dict):
+            node = node.setdefault(part, {})
+        else:
+            raise RecipeError(f"--set {key}: {'.'.join(parts[:i])} is not a mapping")
+    last, value = parts[-1], yaml.safe_load(raw)
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise RecipeError(f"--set {key}: no item {last}")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def parse_recipe(data: Any, source: str) -> Recipe:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{source}: a recipe is a YAML mapping, got {type(data).__name__}")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise RecipeError(format_validation_error(err, source)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: recipe file not found") from None
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path}: not valid YAML: {err}") from None
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return parse_recipe(data, str(path))
+
+
+def recipe_dump(recipe: Recipe) -> dict[str, Any]:
+    """The resolved recipe as plain data, secrets masked (safe to write into manifests and logs)."""
+    return recipe.model_dump(mode="json")

@@ -1,0 +1,175 @@
+"""Filesystems for local, s3:// and hf:// paths, and mirroring finished folders to S3.
+
+Credentials come from the recipe (as secrets) or the standard AWS_* variables; they are passed
+to s3fs and never formatted into a message or a log line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import fsspec
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from infra.errors import SmolflowError
+from infra.recipe import S3Cfg
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class StorageError(SmolflowError):
+    """Remote storage unreachable or inconsistent after retries; a later task retry may succeed."""
+
+    retryable = True
+
+
+def storage_options(url: str, s3: S3Cfg | None) -> dict[str, Any]:
+    return (s3 or S3Cfg()).storage_options() if url.startswith("s3://") else {}
+
+
+def filesystem(url: str, s3: S3Cfg | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem and the path inside it for a local, s3:// or hf:// URL."""
+    return url_to_fs(url, **storage_options(url, s3))
+
+
+def datafolder(url: str, s3: S3Cfg | None = None):
+    """A datatrove DataFolder for `url` with the recipe's S3 settings."""
+    from datatrove.io import get_datafolder
+
+    options = storage_options(url, s3)
+    return get_datafolder((url, options) if options else url)
+
+
+def describe_endpoint(s3: S3Cfg | None) -> str:
+    return (s3 and s3.endpoint_url) or "the default AWS endpoint"
+
+
+def with_retries(what: str, fn: Callable[[], T], attempts: int = 4, backoff_s: float = 1.0) -> T:
+    """Run `fn`, retrying transient storage failures with exponential backoff."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except (FileNotFoundError, SmolflowError):
+            raise
+        except Exception as err:  # s3fs surfaces outages as OSError, botocore and aiohttp errors alike
+            if attempt == attempts:
+                raise StorageError(f"{what}: failed after {attempts} attempts: {type(err).__name__}: {err}") from None
+            log.warning("%s: attempt %d failed (%s); retrying", what, attempt, type(err).__name__)
+            time.sleep(backoff_s * 2 ** (attempt - 1))
+    raise AssertionError("unreachable")
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprint_files(files: Iterable[tuple[str, Path]]) -> str:
+    """Content fingerprint of (name, file) pairs: names and bytes, not paths or times."""
+    digest = hashlib.sha256()
+    for rel, path in sorted(files):
+        digest.update(f"{rel}\0{sha256_file(path)}\n".encode())
+    return digest.hexdigest()[:20]
+
+
+def fingerprint_url(url: str, glob: str, s3: S3Cfg | None = None) -> str:
+    """Fingerprint of the files a source reads: their bytes when local, size and ETag when remote.
+
+    A path string alone is no fingerprint: the same path with new files behind it must rerun.
+    """
+    fs, root = filesystem(url, s3)
+    if isinstance(fs, LocalFileSystem):
+        base = Path(root)
+        files = [base] if base.is_file() else sorted(p for p in base.glob(glob) if p.is_file())
+        return fingerprint_files((p.name if p == base else p.relative_to(base).as_posix(), p) for p in files)
+    listing = with_retries(f"list {url}", lambda: fs.find(root, detail=True))
+    digest = hashlib.sha256()
+    for key, info in sorted(listing.items()):
+        etag = info.get("ETag") or info.get("etag") or info.get("blob_id") or info.get("mtime", "")
+        digest.update(f"{key}\0{info.get('size')}\0{etag}\n".encode())
+    return digest.hexdigest()[:20]
+
+
+def md5_of(path: Path) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class Mirror:
+    """Copies finished folders to `prefix/NAME/` and back, the folder's marker file last.
+
+    A remote folder counts as complete only once its marker is there, and the marker is uploaded
+    only after every other file's size and MD5 were checked against the local copy; so an upload
+    cut off halfway is never mistaken for a finished one.
+    """
+
+    def __init__(self, prefix: str, s3: S3Cfg | None = None, attempts: int = 4, backoff_s: float = 1.0):
+        self.prefix = prefix.rstrip("/")
+        self.s3 = s3
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+        self.fs, self.root = filesystem(self.prefix, s3)
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        return with_retries(f"{what} ({describe_endpoint(self.s3)})", fn, self.attempts, self.backoff_s)
+
+    def remote(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def push(self, local_dir: Path, name: str, marker: str) -> None:
+        remote = self.remote(name)
+        files = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.name != marker)
+        for path in files:
+            target = f"{remote}/{path.relative_to(local_dir).as_posix()}"
+            self._retry(f"upload {target}", lambda: self._put_verified(path, target))
+        self._retry(f"upload {remote}/{marker}", lambda: self._put_verified(local_dir / marker, f"{remote}/{marker}"))
+        self.fs.invalidate_cache()
+
+    def _put_verified(self, path: Path, target: str) -> None:
+        self.fs.put_file(str(path), target)
+        self.fs.invalidate_cache(target)
+        info = self.fs.info(target)
+        if info.get("size") != path.stat().st_size:
+            raise OSError(f"size mismatch after upload of {target}")
+        etag = str(info.get("ETag", "")).strip('"')
+        if etag and "-" not in etag and etag != md5_of(path):  # multipart ETags are not MD5s
+            raise OSError(f"checksum mismatch after upload of {target}")
+
+    def read_marker(self, name: str, marker: str) -> dict[str, Any] | None:
+        path = f"{self.remote(name)}/{marker}"
+
+        def read() -> dict[str, Any] | None:
+            try:
+                with self.fs.open(path, "rb") as f:
+                    return json.loads(f.read())
+            except FileNotFoundError:
+                return None
+
+        return self._retry(f"read {path}", read)
+
+    def pull(self, name: str, local_dir: Path, marker: str) -> None:
+        remote = self.remote(name)
+        listing = self._retry(f"list {remote}", lambda: self.fs.find(remote, detail=True))
+        for key, info in listing.items():
+            rel = key[len(remote) + 1 :]
+            target = local_dir / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._retry(f"download {key}", lambda: self.fs.get_file(key, str(target)))
+            if target.stat().st_size != info.get("size"):
+                raise StorageError(f"download of {key} is incomplete")
+        if not (local_dir / marker).exists():
+            raise StorageError(f"{remote} has no {marker}: not a finished folder")

@@ -1,0 +1,1 @@
+"""Prefect tasks, one module per stage: thin wrappers around plain, testable code."""

@@ -1,0 +1,36 @@
+"""What every Prefect task of the project shares: retries that skip user errors, and logging."""
+
+from __future__ import annotations
+
+import logging
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import MissingContextError
+from prefect.logging import get_run_logger
+
+from infra.errors import SmolflowError
+
+
+def retry_unless_user_error(task, task_run, state) -> bool:
+    """Retry crashes and transient faults; a bad recipe or bad input fails the same way every time."""
+    exc = state.data
+    return not (isinstance(exc, SmolflowError) and not exc.retryable)
+
+
+def stage_task(name: str, retries: int = 2):
+    """A task whose caching is done by step fingerprints (infra/steps.py), never by Prefect's input hashing."""
+    return task(
+        name=name,
+        retries=retries,
+        retry_delay_seconds=[5, 30, 120][:retries] or 0,
+        retry_condition_fn=retry_unless_user_error,
+        cache_policy=NO_CACHE,
+    )
+
+
+def run_logger() -> logging.Logger | logging.LoggerAdapter:
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("smolflow")

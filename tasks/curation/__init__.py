@@ -1,0 +1,1 @@
+"""Plain curation code: the embedded corpus, datatrove pipelines, tokenizer and mixtures."""

@@ -1,0 +1,219 @@
+"""The embedded corpus: raw documents built from what every machine has, with no network.
+
+Prose comes from the docstrings and comments of Python's standard library, code from its `.py`
+files, math from generated arithmetic and word problems with worked answers. Everything is
+deterministic for a given Python installation and seed: files are walked in sorted order and all
+randomness comes from one seeded generator. Like real web data it holds junk (one-line docstrings,
+generated tables, near-identical codec modules, repeated worksheets) for curation to remove.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import io
+import json
+import random
+import sysconfig
+import tokenize
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+DOMAINS = ("prose", "code", "math")
+
+
+@dataclass(frozen=True)
+class EmbeddedDoc:
+    id: str
+    text: str
+    domain: str
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path, max_bytes: int | None) -> list[Path]:
+    """Sorted `.py` files of the stdlib (site-packages excluded), up to `max_bytes` of source."""
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    if max_bytes is None:
+        return files
+    kept, total = [], 0
+    for path in files:
+        size = path.stat().st_size
+        if total + size > max_bytes:
+            continue
+        kept.append(path)
+        total += size
+    return kept
+
+
+def _read_source(path: Path) -> str | None:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def docstrings_of(source: str) -> list[str]:
+    """Docstrings of the module and every class and function, in source order."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    nodes = [tree] + [
+        n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    ]
+    nodes.sort(key=lambda n: getattr(n, "lineno", 0))
+    found = (ast.get_docstring(n, clean=True) for n in nodes)
+    return [d for d in found if d]
+
+
+def comment_blocks_of(source: str) -> list[str]:
+    """Runs of consecutive comment lines, joined into paragraphs."""
+    blocks, current, last_line = [], [], -2
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type != tokenize.COMMENT:
+                continue
+            text = tok.string.lstrip("#").strip()
+            if tok.start[0] != last_line + 1 and current:
+                blocks.append(" ".join(current))
+                current = []
+            if text and not text.startswith("!"):
+                current.append(text)
+            last_line = tok.start[0]
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass
+    if current:
+        blocks.append(" ".join(current))
+    return [b for b in blocks if b]
+
+
+def stdlib_docs(root: Path, max_bytes: int | None) -> Iterator[EmbeddedDoc]:
+    """One code document per module, one prose document of its docstrings, one of its comments."""
+    for path in stdlib_files(root, max_bytes):
+        source = _read_source(path)
+        if source is None or not source.strip():
+            continue
+        rel = path.relative_to(root).as_posix()
+        yield EmbeddedDoc(f"code/{rel}", source, "code")
+        docstrings = docstrings_of(source)
+        if docstrings:
+            yield EmbeddedDoc(f"prose/{rel}#doc", "\n\n".join(docstrings), "prose")
+        comments = comment_blocks_of(source)
+        if comments:
+            yield EmbeddedDoc(f"prose/{rel}#comments", "\n\n".join(comments), "prose")
+
+
+_NAMES = ["Ada", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Iris", "Jonas", "Kemi", "Liam"]
+_ITEMS = [("apple", "apples"), ("book", "books"), ("marble", "marbles"), ("coin", "coins"),
+          ("pencil", "pencils"), ("stamp", "stamps"), ("shell", "shells"), ("card", "cards")]
+
+
+def arithmetic_problem(rng: random.Random, max_value: int) -> tuple[str, str, int]:
+    """A two-operand problem, its worked solution and the integer answer."""
+    a, b = rng.randint(0, max_value), rng.randint(0, max_value)
+    op = rng.choice("+-*")
+    if op == "*":
+        b = rng.randint(0, 12)
+    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+    question = f"What is {a} {op} {b}?"
+    return question, f"{a} {op} {b} = {answer}. The answer is {answer}.", answer
+
+
+def word_problem(rng: random.Random, max_value: int) -> tuple[str, str, int]:
+    name, other = rng.sample(_NAMES, 2)
+    item, items = rng.choice(_ITEMS)
+    a, b = rng.randint(2, max_value), rng.randint(1, max_value)
+    if rng.random() < 0.5:
+        question = f"{name} has {a} {items}. {other} gives {name} {b} more {items}. How many {items} does {name} have now?"
+        answer = a + b
+        work = f"{name} starts with {a} {items} and gets {b} more, so {a} + {b} = {answer}."
+    else:
+        a, b = max(a, b), min(a, b)
+        question = f"{name} has {a} {items} and gives {b} of them to {other}. How many {items} does {name} have left?"
+        answer = a - b
+        work = f"{name} starts with {a} {items} and gives away {b}, so {a} - {b} = {answer}."
+    unit = item if answer == 1 else items
+    return question, f"{work} The answer is {answer} {unit}.", answer
+
+
+def math_problem(rng: random.Random, max_value: int) -> tuple[str, str, int]:
+    make = arithmetic_problem if rng.random() < 0.6 else word_problem
+    return make(rng, max_value)
+
+
+def write_jsonl_gz(path: Path, docs: Iterator[EmbeddedDoc]) -> int:
+    """Write documents as datatrove-style JSONL (`id`, `text`, `metadata`); returns the count."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    # mtime=0 keeps the gzip header, and so the file's fingerprint, deterministic
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+        for doc in docs:
+            line = json.dumps({"id": doc.id, "text": doc.text, "metadata": {"domain": doc.domain}})
+            gz.write(line.encode() + b"\n")
+            count += 1
+    return count
+
+
+def eval_items(kind: str, n: int, seed: int, max_value: int) -> list[dict]:
+    """Held-out math items ({question, answer}); the corpus generator never emits their questions."""
+    make = arithmetic_problem if kind == "arithmetic" else word_problem
+    rng, seen, items = random.Random(f"{kind}-{seed}"), set(), []
+    while len(items) < n:
+        question, _, answer = make(rng, max_value)
+        if question not in seen:
+            seen.add(question)
+            items.append({"question": question, "answer": str(answer)})
+    return items
+
+
+def read_eval_questions(paths: list[str]) -> set[str]:
+    questions = set()
+    for path in paths:
+        with open(path) as f:
+            questions.update(json.loads(line).get("question", "") for line in f if line.strip())
+    return questions
+
+
+def build_corpus(
+    stdlib: Path,
+    stdlib_max_bytes: int | None,
+    math_problems: int,
+    problems_per_doc: int,
+    max_value: int,
+    seed: int,
+    exclude_questions: set[str],
+    out: Path,
+    shards: int,
+) -> dict[str, int]:
+    """Write the embedded corpus as `out/DOMAIN/NNNNN.jsonl.gz` shards; returns documents per domain."""
+    by_domain: dict[str, list[EmbeddedDoc]] = {d: [] for d in DOMAINS}
+    for doc in stdlib_docs(stdlib, stdlib_max_bytes):
+        by_domain[doc.domain].append(doc)
+    by_domain["math"] = list(math_docs(math_problems, problems_per_doc, max_value, seed, exclude_questions))
+    counts = {}
+    for domain, docs in by_domain.items():
+        for shard in range(shards):
+            write_jsonl_gz(out / domain / f"{shard:05d}.jsonl.gz", iter(docs[shard::shards]))
+        counts[domain] = len(docs)
+    return counts
+
+
+def math_docs(n_problems: int, per_doc: int, max_value: int, seed: int, exclude: set[str]) -> Iterator[EmbeddedDoc]:
+    """Worksheets of `per_doc` worked problems; a question in `exclude` (the eval sets) is never emitted."""
+    rng = random.Random(seed)
+    made = 0
+    sheet: list[str] = []
+    index = 0
+    while made < n_problems:
+        question, solution, _ = math_problem(rng, max_value)
+        if question in exclude:
+            continue
+        sheet.append(f"Problem: {question}\nSolution: {solution}")
+        made += 1
+        if len(sheet) == per_doc or made == n_problems:
+            yield EmbeddedDoc(f"math/sheet-{index:06d}", "\n\n".join(sheet), "math")
+            sheet, index = [], index + 1

@@ -1,0 +1,361 @@
+"""The datatrove pipelines of the curate stage, one builder per step.
+
+Each builder takes the step's output folder (see infra/steps.py), runs real datatrove pipelines
+through the executor the recipe names, and returns the step's summary: documents in and out,
+what each filter or dedup stage removed, and per-source counts. Data between steps is
+datatrove JSONL under `STEP/data/SOURCE/`; removed documents are kept under `STEP/removed/`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from datatrove.executor import LocalPipelineExecutor
+from datatrove.pipeline.decont import NGramsDecontConfig, NGramsDecontFilter
+from datatrove.pipeline.dedup import MinhashDedupCluster, MinhashDedupFilter, MinhashDedupSignature
+from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactDedupFilter, ExactDedupSignature, ExactFindDedups
+from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupBuckets
+from datatrove.pipeline.readers import JsonlReader
+from datatrove.pipeline.writers import JsonlWriter
+from datatrove.utils.hashing import create_hash_func
+from datatrove.utils.text import TextNormConfig, ngrams, simplify_text
+
+from infra.errors import DataError
+from infra.recipe import ExecutorCfg, Recipe
+from tasks.curation.filters import build_filters
+from tasks.curation.readers import list_source_files, make_reader
+from tasks.curation.tokenizer import EOS
+from tasks.curation.words import SPLIT_WORDS
+
+log = logging.getLogger(__name__)
+DATA = "data"
+DOC_FILES = "*/*.jsonl.gz"
+
+
+# --- executors -------------------------------------------------------------------------------
+
+
+def make_executor(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: int, job_name: str):
+    """datatrove's Local, Slurm or Ray executor for `pipeline`, as the recipe's `executor` says."""
+    if cfg.kind == "local":
+        return LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(cfg.workers, tasks), logging_dir=str(logging_dir))
+    if cfg.kind == "slurm":
+        from datatrove.executor import SlurmPipelineExecutor
+
+        return SlurmPipelineExecutor(
+            pipeline,
+            tasks=tasks,
+            time=cfg.slurm.time,
+            partition=cfg.slurm.partition,
+            cpus_per_task=cfg.slurm.cpus_per_task,
+            mem_per_cpu_gb=cfg.slurm.mem_per_cpu_gb,
+            workers=cfg.workers,
+            job_name=f"smolflow-{job_name}",
+            sbatch_args=dict(cfg.slurm.sbatch_args),
+            venv_path=os.path.join(sys.prefix, "bin", "activate"),
+            logging_dir=str(logging_dir),
+        )
+    from datatrove.executor import RayPipelineExecutor
+
+    return RayPipelineExecutor(pipeline, tasks=tasks, workers=cfg.workers, logging_dir=str(logging_dir))
+
+
+def run_pipeline(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: int, job_name: str) -> list[dict]:
+    """Run to completion (cluster executors are polled) and return the per-step counters."""
+    executor = make_executor(cfg, pipeline, logging_dir, tasks, job_name)
+    log.info("%s: %d task(s) on the %s executor", job_name, tasks, cfg.kind)
+    executor.run()
+    while cfg.kind != "local" and (left := executor.get_incomplete_ranks()):
+        log.info("%s: waiting for %d of %d tasks", job_name, len(left), tasks)
+        time.sleep(30)
+    return read_stats(logging_dir)
+
+
+def read_stats(logging_dir: Path) -> list[dict]:
+    """Counters per pipeline step, summed over every task's stats file (resumed tasks included)."""
+    merged: list[dict] = []
+    for path in sorted((logging_dir / "stats").glob("*.json")):
+        for i, step in enumerate(json.loads(path.read_text())):
+            if i == len(merged):
+                merged.append({"name": step["name"], "counters": Counter()})
+            for key, value in step["stats"].items():
+                merged[i]["counters"][key] += value["total"] if isinstance(value, dict) else value
+    return [{"name": s["name"], "counters": dict(s["counters"])} for s in merged]
+
+
+def count_docs(data_dir: Path) -> dict[str, int]:
+    """Documents per source in a step's `data/SOURCE/*.jsonl.gz` files."""
+    counts: dict[str, int] = {}
+    for source_dir in sorted(p for p in data_dir.iterdir() if p.is_dir()) if data_dir.exists() else []:
+        counts[source_dir.name] = sum(_count_lines(f) for f in source_dir.glob("*.jsonl.gz"))
+    return counts
+
+
+def _count_lines(path: Path) -> int:
+    with gzip.open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def _writer(folder: Path, by_source: bool = True) -> JsonlWriter:
+    return JsonlWriter(str(folder), output_filename="${source}/${rank}.jsonl.gz" if by_source else "${rank}.jsonl.gz")
+
+
+def _reader(folder: Path, glob: str = "*.jsonl.gz") -> JsonlReader:
+    return JsonlReader(str(folder), glob_pattern=glob)
+
+
+def _tasks_for(cfg: ExecutorCfg, n_files: int) -> int:
+    return max(1, min(cfg.tasks, n_files))
+
+
+# --- steps -----------------------------------------------------------------------------------
+
+
+def ingest(recipe: Recipe, source_paths: dict[str, str], out: Path) -> dict[str, Any]:
+    """Read every raw source into uniform JSONL tagged with its source and domain."""
+    summary: dict[str, Any] = {"sources": {}}
+    for source in recipe.sources:
+        folder, glob, files = list_source_files(source, source_paths[source.name], recipe.storage.s3)
+        errors_dir = out / "errors" / source.name
+        reader = make_reader(source, folder, glob, recipe.storage.s3, errors_dir, recipe.curate.strict)
+        stats = run_pipeline(
+            recipe.executor, [reader, _writer(out / DATA)], out / "logs" / source.name,
+            _tasks_for(recipe.executor, len(files)), f"ingest-{source.name}",
+        )
+        docs = count_docs(out / DATA).get(source.name, 0)
+        malformed = stats[0]["counters"].get("malformed", 0) if stats else 0
+        summary["sources"][source.name] = {
+            "files": len(files), "docs": docs, "malformed": malformed, "errors": read_errors(errors_dir, 5),
+        }
+        if docs == 0:
+            raise DataError(f"source {source.name!r} ({source_paths[source.name]}): no usable documents "
+                            f"in {len(files)} file(s); {malformed} malformed record(s), first: "
+                            f"{read_errors(errors_dir, 3)}")
+    return summary
+
+
+def read_errors(errors_dir: Path, limit: int) -> list[dict]:
+    errors: list[dict] = []
+    for path in sorted(errors_dir.glob("*.jsonl")) if errors_dir.exists() else []:
+        with open(path) as f:
+            errors.extend(json.loads(line) for line in f)
+    return errors[:limit]
+
+
+def filter_docs(recipe: Recipe, ingested: Path, out: Path) -> dict[str, Any]:
+    """Each source through its domain's quality filters; removed documents are kept per filter."""
+    summary: dict[str, Any] = {"sources": {}}
+    for source in recipe.sources:
+        params = recipe.curate.filters[source.domain]
+        in_dir = ingested / DATA / source.name
+        pipeline = [
+            _reader(in_dir),
+            *build_filters(params, lambda name, s=source.name: _writer(out / "removed" / s / name, by_source=False)),
+            _writer(out / DATA),
+        ]
+        n_files = len(list(in_dir.glob("*.jsonl.gz")))
+        stats = run_pipeline(recipe.executor, pipeline, out / "logs" / source.name,
+                             _tasks_for(recipe.executor, n_files), f"filter-{source.name}")
+        docs_in = stats[0]["counters"].get("documents", 0)
+        removed = {
+            name: {"total": step["counters"].get("dropped", 0),
+                   "reasons": {k.removeprefix("dropped_"): v for k, v in step["counters"].items()
+                               if k.startswith("dropped_")}}
+            for name, step in zip(params, stats[1 : 1 + len(params)])
+        }
+        summary["sources"][source.name] = {
+            "docs_in": docs_in,
+            "docs_out": count_docs(out / DATA).get(source.name, 0),
+            "removed": removed,
+        }
+    return summary
+
+
+def passthrough(previous: Path, out: Path) -> dict[str, Any]:
+    """A disabled step: the previous step's documents, copied unchanged."""
+    shutil.copytree(previous / DATA, out / DATA)
+    return {"docs_out": count_docs(out / DATA)}
+
+
+def _text_of(doc) -> str:
+    return doc.text
+
+
+def dedup(recipe: Recipe, filtered: Path, out: Path) -> dict[str, Any]:
+    """Exact dedup, then MinHash near-dedup (datatrove's four stages), across all sources."""
+    cfg, ex = recipe.curate.dedup, recipe.executor
+    docs_in = count_docs(filtered / DATA)
+    n_files = len(list((filtered / DATA).glob(DOC_FILES)))
+    tasks = _tasks_for(ex, n_files)
+    current = filtered / DATA
+    removed: dict[str, int] = {}
+
+    if cfg.exact:
+        exact_cfg = ExactDedupConfig(content_getter=_text_of)
+        sigs, dups = out / "work" / "exact_sigs", out / "work" / "exact_dups"
+        run_pipeline(ex, [_reader(current, DOC_FILES), ExactDedupSignature(str(sigs), exact_cfg)],
+                     out / "logs" / "exact1", tasks, "dedup-exact-signatures")
+        run_pipeline(ex, [ExactFindDedups(str(sigs), str(dups), exact_cfg)], out / "logs" / "exact2", 1,
+                     "dedup-exact-find")
+        stats = run_pipeline(
+            ex,
+            [_reader(current, DOC_FILES),
+             ExactDedupFilter(str(dups), exact_cfg, exclusion_writer=_writer(out / "removed" / "exact", False)),
+             _writer(out / "work" / "exact_out")],
+            out / "logs" / "exact3", tasks, "dedup-exact-filter")
+        removed["exact"] = stats[1]["counters"].get("dropped", 0)
+        current = out / "work" / "exact_out"
+
+    mh = cfg.minhash
+    if mh.enabled:
+        mh_cfg = MinhashConfig(n_grams=mh.n_grams, num_buckets=mh.buckets, hashes_per_bucket=mh.hashes_per_bucket,
+                               norm_config=TextNormConfig(norm_numbers=mh.normalize_numbers))
+        work = out / "work"
+        n_files = len(list(current.glob(DOC_FILES)))
+        tasks = _tasks_for(ex, n_files)
+        run_pipeline(ex, [_reader(current, DOC_FILES),
+                          MinhashDedupSignature(str(work / "mh_sigs"), config=mh_cfg, language=SPLIT_WORDS)],
+                     out / "logs" / "minhash1", tasks, "dedup-minhash-signatures")
+        run_pipeline(ex, [MinhashDedupBuckets(str(work / "mh_sigs"), str(work / "mh_buckets"), config=mh_cfg)],
+                     out / "logs" / "minhash2", mh.buckets, "dedup-minhash-buckets")
+        run_pipeline(ex, [MinhashDedupCluster(str(work / "mh_buckets"), str(work / "mh_clusters"), config=mh_cfg)],
+                     out / "logs" / "minhash3", 1, "dedup-minhash-cluster")
+        stats = run_pipeline(
+            ex,
+            [_reader(current, DOC_FILES),
+             MinhashDedupFilter(str(work / "mh_clusters"), exclusion_writer=_writer(out / "removed" / "minhash", False)),
+             _writer(out / DATA)],
+            out / "logs" / "minhash4", tasks, "dedup-minhash-filter")
+        removed["minhash"] = stats[1]["counters"].get("dropped", 0)
+    else:
+        shutil.copytree(current, out / DATA)
+    shutil.rmtree(out / "work", ignore_errors=True)
+    total_in = sum(docs_in.values())
+    return {
+        "docs_in": total_in,
+        "removed": removed,
+        "rates": {k: round(v / total_in, 4) if total_in else 0.0 for k, v in removed.items()},
+        "docs_out": count_docs(out / DATA),
+    }
+
+
+# --- decontamination -------------------------------------------------------------------------
+
+# numbers stay as they are: normalised to 0, every templated math question would match every other
+DECONT_NORM = TextNormConfig(norm_numbers=False)
+
+
+def decont_config(n_grams: int) -> NGramsDecontConfig:
+    return NGramsDecontConfig(n_grams=n_grams, norm_config=DECONT_NORM)
+
+
+def build_decont_index(eval_sets: list[str], fields: list[str], n_grams: int, index_dir: Path) -> dict[str, int]:
+    """Hash every n-gram of each eval item's text into `TASK.index.hashes` (datatrove's index format).
+
+    datatrove's own indexer loads eval sets through lighteval; this reads the project's JSONL eval
+    sets and normalises, splits and hashes exactly as `NGramsDecontFilter` does, so the filter
+    finds them. Items shorter than n words cannot be matched this way; the counts say how many.
+    """
+    cfg = decont_config(n_grams)
+    hash_func = create_hash_func(cfg.hash_config)
+    index_dir.mkdir(parents=True, exist_ok=True)
+    counts: dict[str, dict[str, int]] = {}
+    for eval_path in eval_sets:
+        task = Path(eval_path).name.split(".")[0]
+        hashes: set[int] = set()
+        items = too_short = 0
+        try:
+            lines = Path(eval_path).read_text().splitlines()
+        except FileNotFoundError:
+            raise DataError(f"curate.decontamination.eval_sets: {eval_path} not found") from None
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{eval_path}:{number}: not valid JSON: {err}") from None
+            text = " ".join(str(item[f]) for f in fields if f in item)
+            words = SPLIT_WORDS.word_tokenize(simplify_text(text, cfg.norm_config))
+            items += 1
+            too_short += len(words) < n_grams
+            hashes.update(hash_func(" ".join(g)) for g in ngrams(words, n_grams))
+        np.array(sorted(hashes), dtype=cfg.hash_config.np_descr).tofile(index_dir / f"{task}.index.hashes")
+        counts[task] = {"items": items, "ngrams": len(hashes), "too_short": too_short}
+    return counts
+
+
+def decontaminate(recipe: Recipe, deduped: Path, out: Path) -> dict[str, Any]:
+    cfg = recipe.curate.decontamination
+    index_dir = out / "index"
+    indexed = build_decont_index(cfg.eval_sets, cfg.fields, cfg.n_grams, index_dir)
+    n_files = len(list((deduped / DATA).glob(DOC_FILES)))
+    stats = run_pipeline(
+        recipe.executor,
+        [_reader(deduped / DATA, DOC_FILES),
+         NGramsDecontFilter(str(index_dir), config=decont_config(cfg.n_grams),
+                            exclusion_writer=_writer(out / "removed", by_source=True), language=SPLIT_WORDS),
+         _writer(out / DATA)],
+        out / "logs" / "decont", _tasks_for(recipe.executor, n_files), "decontaminate")
+    counters = stats[1]["counters"]
+    return {
+        "indexed_ngrams": indexed,
+        "hits": {k.removeprefix("contaminated_"): v for k, v in counters.items() if k.startswith("contaminated_")
+                 and not k.startswith("contaminated_tg_")},
+        "hits_by_source": count_docs(out / "removed"),
+        "docs_in": counters.get("total", 0),
+        "docs_out": count_docs(out / DATA),
+    }
+
+
+
+def tokenize(recipe: Recipe, decontaminated: Path, tokenizer_json: Path, out: Path) -> dict[str, Any]:
+    """datatrove's DocumentTokenizer and merger: one shuffled `.ds` token file per source."""
+    from datatrove.pipeline.tokens import DocumentTokenizer, DocumentTokenizerMerger
+
+    summary: dict[str, Any] = {"sources": {}}
+    for source in recipe.sources:
+        in_dir = decontaminated / DATA / source.name
+        if not any(in_dir.glob("*.jsonl.gz")):
+            log.warning("tokenize: source %s has no documents left after curation", source.name)
+            summary["sources"][source.name] = {"tokens": 0, "docs": 0}
+            continue
+        shards = out / "work" / source.name
+        tokenizer = DocumentTokenizer(
+            str(shards), tokenizer_name_or_path=str(tokenizer_json), eos_token=EOS, seed=recipe.seed,
+            local_working_dir=str(out / "work" / f"{source.name}-tmp"),
+        )
+        n_files = len(list(in_dir.glob("*.jsonl.gz")))
+        run_pipeline(recipe.executor, [_reader(in_dir), tokenizer], out / "logs" / f"{source.name}-tokenize",
+                     _tasks_for(recipe.executor, n_files), f"tokenize-{source.name}")
+        merger = DocumentTokenizerMerger(str(shards), str(out / DATA / source.name), save_filename=source.name,
+                                         seed=recipe.seed, progress=False)
+        run_pipeline(recipe.executor, [merger], out / "logs" / f"{source.name}-merge", 1, f"merge-{source.name}")
+        summary["sources"][source.name] = token_counts(out / DATA / source.name)
+    shutil.rmtree(out / "work", ignore_errors=True)
+    return summary
+
+
+def token_counts(folder: Path) -> dict[str, int]:
+    """Tokens and documents in a folder of datatrove `.ds` files, from the files themselves."""
+    tokens = docs = 0
+    for ds in sorted(folder.glob("*.ds")):
+        tokens += ds.stat().st_size // token_size(ds)
+        docs += ds.with_name(ds.name + ".index").stat().st_size // 8  # one uint64 end offset per document
+    return {"tokens": tokens, "docs": docs}
+
+
+def token_size(ds_file: Path) -> int:
+    """Bytes per token of a `.ds` file, from the `NAME|SIZE` first line of its `.metadata`."""
+    first_line = ds_file.with_name(ds_file.name + ".metadata").read_text().splitlines()[0]
+    return int(first_line.rsplit("|", 1)[1])

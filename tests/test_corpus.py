@@ -1,0 +1,48 @@
+"""The embedded corpus is deterministic and never emits an eval question."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+from infra.storage import fingerprint_files
+from tasks.curation import corpus
+from tests.helpers import REPO
+
+
+def build(out, exclude=frozenset()):
+    return corpus.build_corpus(corpus.stdlib_root(), 300_000, 240, 12, 99, seed=7, exclude_questions=set(exclude),
+                               out=out, shards=2)
+
+
+def test_corpus_is_deterministic(tmp_path):
+    counts_a, counts_b = build(tmp_path / "a"), build(tmp_path / "b")
+    assert counts_a == counts_b and all(counts_a[d] > 0 for d in corpus.DOMAINS)
+    files = lambda root: [(p.relative_to(root).as_posix(), p) for p in sorted(root.rglob("*.jsonl.gz"))]  # noqa: E731
+    assert fingerprint_files(files(tmp_path / "a")) == fingerprint_files(files(tmp_path / "b"))
+
+
+def test_prose_comes_from_docstrings_and_comments():
+    source = 'def f():\n    """Add two numbers and return the sum."""\n    # carry the overflow\n    # into the next digit\n    return 1\n'
+    assert corpus.docstrings_of(source) == ["Add two numbers and return the sum."]
+    assert corpus.comment_blocks_of(source) == ["carry the overflow into the next digit"]
+    assert corpus.docstrings_of("def broken(:\n") == []
+
+
+def test_generated_math_skips_eval_questions(tmp_path):
+    evals = [REPO / "configs" / "evals" / "arithmetic.jsonl", REPO / "configs" / "evals" / "word_problems.jsonl"]
+    questions = corpus.read_eval_questions([str(p) for p in evals])
+    assert len(questions) == 600
+    build(tmp_path, exclude=questions)
+    texts = []
+    for path in (tmp_path / "math").glob("*.jsonl.gz"):
+        with gzip.open(path, "rt") as f:
+            texts += [json.loads(line)["text"] for line in f]
+    emitted = {line.removeprefix("Problem: ") for t in texts for line in t.splitlines() if line.startswith("Problem: ")}
+    assert len(emitted) > 100 and not emitted & questions
+
+
+def test_shipped_eval_sets_are_reproducible():
+    for kind in ("arithmetic", "word_problems"):
+        shipped = [json.loads(line) for line in (REPO / "configs" / "evals" / f"{kind}.jsonl").read_text().splitlines()]
+        assert shipped == corpus.eval_items(kind, 300, seed=2026, max_value=99)

@@ -1,0 +1,172 @@
+"""Curation steps on planted data, through real datatrove executors (no Prefect)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from infra.recipe import parse_recipe
+from tasks.curation import pipelines, tokenizer
+from tasks.curation.mixtures import MixtureError, resolve_mixtures, split_budget
+from tests.helpers import REPO, micro_recipe, write_jsonl
+
+WORDS = [f"w{i}" + "abcdefghij"[i % 10] * (i % 4 + 1) for i in range(3000)]
+
+
+def unique_doc(rng: random.Random, n_words: int = 200) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words)) + "."
+
+
+def shingles(text: str, n: int = 5) -> set:
+    words = text.split()
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def jaccard(a: str, b: str) -> float:
+    sa, sb = shingles(a), shingles(b)
+    return len(sa & sb) / len(sa | sb)
+
+
+def web_recipe(path, **changes):
+    data = micro_recipe(**changes)
+    data["sources"] = [{"name": "web", "domain": "web", "format": "jsonl", "path": str(path)}]
+    data["curate"]["filters"] = {"web": {}}
+    for stage in data["pretrain"]["stages"]:
+        stage["mixture"] = {"web": 1.0}
+    return parse_recipe(data, "test recipe")
+
+
+def read_ids(folder) -> list[str]:
+    ids = []
+    for path in sorted(folder.rglob("*.jsonl.gz")):
+        with gzip.open(path, "rt") as f:
+            ids += [json.loads(line)["id"] for line in f]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """40 unique documents, 6 exact copies, 8 near copies (Jaccard >= 0.9), 3 with an eval item inside."""
+    rng = random.Random(0)
+    root = tmp_path_factory.mktemp("planted")
+    uniques = [unique_doc(rng) for _ in range(40)]
+    records = [{"id": f"u{i}", "text": t} for i, t in enumerate(uniques)]
+    records += [{"id": f"exact{i}", "text": uniques[i]} for i in range(6)]
+    near = []
+    for i in range(8):
+        words = uniques[10 + i].split()
+        words[rng.randrange(len(words))] = "changed"
+        near.append(" ".join(words))
+        assert jaccard(near[-1], uniques[10 + i]) >= 0.9
+    records += [{"id": f"near{i}", "text": t} for i, t in enumerate(near)]
+    evals = [json.loads(line) for line in (REPO / "configs/evals/word_problems.jsonl").read_text().splitlines()]
+    records += [{"id": f"leak{i}", "text": unique_doc(rng, 60) + " " + evals[i * 7]["question"] + " " + unique_doc(rng, 60)}
+                for i in range(3)]
+    rng.shuffle(records)
+    write_jsonl(root / "raw" / "part0.jsonl", records[: len(records) // 2])
+    write_jsonl(root / "raw" / "part1.jsonl", records[len(records) // 2 :])
+    recipe = web_recipe(root / "raw")
+    steps = {}
+    steps["ingest"] = root / "ingest"
+    pipelines.ingest(recipe, {"web": str(root / "raw")}, steps["ingest"])
+    steps["filter"] = root / "filter"
+    pipelines.filter_docs(recipe, steps["ingest"], steps["filter"])
+    steps["dedup"] = root / "dedup"
+    summary = pipelines.dedup(recipe, steps["filter"], steps["dedup"])
+    steps["decont"] = root / "decont"
+    decont = pipelines.decontaminate(recipe, steps["dedup"], steps["decont"])
+    return {"recipe": recipe, "root": root, "steps": steps, "dedup": summary, "decont": decont, "records": records}
+
+
+def test_exact_and_near_duplicates_are_removed(planted):
+    kept = set(read_ids(planted["steps"]["dedup"] / "data"))
+    dups = {r["id"] for r in planted["records"] if r["id"].startswith(("exact", "near"))}
+    uniques = {r["id"] for r in planted["records"] if r["id"].startswith("u")}
+    # of each duplicate pair exactly one copy survives, and no unique document is lost
+    assert uniques <= kept | {f"u{i}" for i in range(6)} | {f"u{10 + i}" for i in range(8)}
+    for i in range(6):
+        assert len({f"u{i}", f"exact{i}"} & kept) == 1
+    for i in range(8):
+        assert len({f"u{10 + i}", f"near{i}"} & kept) == 1
+    assert len(kept & (uniques | dups)) == 40
+    assert planted["dedup"]["removed"] == {"exact": 6, "minhash": 8}
+
+
+def test_planted_eval_items_are_removed(planted):
+    kept = read_ids(planted["steps"]["decont"] / "data")
+    assert not [i for i in kept if i.startswith("leak")]
+    assert planted["decont"]["hits"] == {"word_problems": 3}
+    assert len(kept) == 40
+
+
+def test_tokenized_data_reads_back_to_the_same_text(planted, tmp_path):
+    recipe, decont = planted["recipe"], planted["steps"]["decont"]
+    texts = tokenizer.sample_texts([decont / "data" / "web"], 10**9)
+    tokenizer.save_hf(tokenizer.train_bpe(texts, vocab_size=400, min_frequency=2), tmp_path / "tok")
+    summary = pipelines.tokenize(recipe, decont, tmp_path / "tok" / "tokenizer.json", tmp_path / "tokenized")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    ds = next((tmp_path / "tokenized" / "data" / "web").glob("*.ds"))
+    tokens = np.fromfile(ds, dtype=np.uint16)
+    ends = np.fromfile(str(ds) + ".index", dtype=np.uint64)
+    decoded = {tok.decode(tokens[a:b].tolist()) for a, b in zip([0, *ends[:-1]], ends)}
+    originals = set()
+    for path in (decont / "data" / "web").glob("*.jsonl.gz"):
+        with gzip.open(path, "rt") as f:
+            originals |= {json.loads(line)["text"] + tokenizer.EOS for line in f}
+    assert decoded == originals
+    assert summary["sources"]["web"] == {"tokens": len(tokens), "docs": len(ends)}
+
+
+def test_chat_template_marks_assistant_turns_with_trailing_newline(tmp_path):
+    bpe = tokenizer.train_bpe(iter(["hello there, how are you? fine thanks"] * 50), vocab_size=300, min_frequency=1)
+    tok = tokenizer.save_hf(bpe, tmp_path)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    out = tok.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    marked = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert marked == "hello<|im_end|>\n"
+    assert tok.decode(ids).startswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert "".join(tok.convert_ids_to_tokens(tok("1234")["input_ids"])) == "1234"
+    assert len(tok("1234")["input_ids"]) == 4  # digits split one per token
+
+
+def test_mixture_counts_match_weights():
+    counts = split_budget(1001, {"a": 0.5, "b": 0.3, "c": 0.2})
+    assert sum(counts.values()) == 1001 and counts == {"a": 501, "b": 300, "c": 200}
+    recipe = parse_recipe(micro_recipe(), "micro")
+    manifest = resolve_mixtures(recipe.pretrain, {"prose": 10_000, "code": 10_000, "math": 10_000})
+    for stage, cfg in zip(manifest["stages"], recipe.pretrain.stages):
+        drawn = {k: v["tokens"] for k, v in stage["sources"].items()}
+        assert sum(drawn.values()) == cfg.tokens
+        for source, weight in cfg.mixture.items():
+            assert abs(drawn[source] - weight * cfg.tokens) <= 1
+
+
+def test_repeating_a_small_source_warns_then_fails():
+    recipe = parse_recipe(micro_recipe(), "micro")
+    # math draws 200 + 600 + 800 + 200 tokens over the four stages
+    manifest = resolve_mixtures(recipe.pretrain, {"prose": 10_000, "code": 10_000, "math": 600})
+    assert manifest["warnings"] == ["stage2: math repeated 1.33x so far (800 of 600 tokens)",
+                                    "stage3: math repeated 2.67x so far (1,600 of 600 tokens)",
+                                    "long_context: math repeated 3.00x so far (1,800 of 600 tokens)"]
+    with pytest.raises(MixtureError, match=r"stages\[2\] \(stage3\): source 'math' would be repeated 4.6 times"):
+        resolve_mixtures(recipe.pretrain, {"prose": 10_000, "code": 10_000, "math": 350})
+
+
+def test_executor_construction_for_clusters(tmp_path):
+    from datatrove.executor import RayPipelineExecutor, SlurmPipelineExecutor
+
+    recipe = parse_recipe(micro_recipe(executor={"kind": "slurm", "tasks": 64, "workers": 8,
+                                                 "slurm": {"partition": "hopper-cpu", "time": "02:00:00"}}), "m")
+    ex = pipelines.make_executor(recipe.executor, [], tmp_path / "logs", 64, "filter-web")
+    assert isinstance(ex, SlurmPipelineExecutor)
+    assert (ex.tasks, ex.partition, ex.time, ex.job_name) == (64, "hopper-cpu", "02:00:00", "smolflow-filter-web")
+    assert ex.venv_path.endswith("bin/activate")
+    recipe = parse_recipe(micro_recipe(executor={"kind": "ray", "tasks": 16, "workers": 4}), "m")
+    ray = pipelines.make_executor(recipe.executor, [], tmp_path / "ray-logs", 16, "dedup")
+    assert isinstance(ray, RayPipelineExecutor) and ray.tasks == 16 and ray.workers == 4

@@ -1,0 +1,105 @@
+"""The curate flow on a real Prefect server: reports, artifacts, step caching, S3 in and out."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.curate import curate_flow
+from infra.steps import MANIFEST
+from tests.helpers import REPO, micro_recipe, write_jsonl, write_recipe
+
+STEPS = ["corpus", "ingest", "filter", "dedup", "decont", "tokenizer", "tokenize", "mixtures"]
+
+
+def started(run_dir) -> dict[str, str]:
+    return {s: json.loads((run_dir / s / MANIFEST).read_text())["started"] for s in STEPS if (run_dir / s).exists()}
+
+
+@pytest.mark.slow
+def test_curate_flow_caches_and_reruns_only_downstream(tmp_path, prefect_server):
+    from prefect.client.orchestration import get_client
+
+    recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe(**{"executor.workers": 2}))
+    run_dir = tmp_path / "run"
+    report = curate_flow(str(recipe), str(run_dir))
+    text = (run_dir / "reports" / "curate.md").read_text()
+    assert report.endswith("curate.md") and "## Mixtures" in text and "## Decontamination" in text
+    first = started(run_dir)
+    assert set(first) == set(STEPS)
+    mixtures = json.loads((run_dir / "mixtures" / "mixtures.json").read_text())
+    assert [s["name"] for s in mixtures["stages"]] == ["stage1", "stage2", "stage3", "long_context"]
+
+    async def artifact_keys():
+        async with get_client() as client:
+            return {a.key for a in await client.read_artifacts()}
+
+    import asyncio
+
+    assert {"micro-curation", "micro-curation-mixtures"} <= asyncio.run(artifact_keys())
+
+    curate_flow(str(recipe), str(run_dir))
+    assert started(run_dir) == first, "an unchanged recipe must skip every finished step"
+
+    curate_flow(str(recipe), str(run_dir), ["curate.filters.code.code_quality.min_lines=40"])
+    third = started(run_dir)
+    assert {s for s in STEPS if third[s] == first[s]} == {"corpus", "ingest"}
+
+
+@pytest.mark.slow
+def test_curate_reads_raw_from_s3_and_mirrors_every_step(tmp_path, prefect_server, s3_server):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server["endpoint"]})
+    fs.mkdir("raw-bucket")
+    fs.mkdir("runs-bucket")
+    rng = random.Random(1)
+    words = [f"word{i}" for i in range(500)]
+    docs = [{"id": f"d{i}", "text": " ".join(rng.choice(words) for _ in range(120))} for i in range(60)]
+    local = write_jsonl(tmp_path / "raw.jsonl", docs)
+    fs.put_file(str(local), "raw-bucket/raw/part-0.jsonl")
+
+    data = micro_recipe()
+    data["sources"].append({"name": "remote", "domain": "web", "format": "jsonl", "path": "s3://raw-bucket/raw"})
+    data["curate"]["filters"]["web"] = {}
+    for stage in data["pretrain"]["stages"]:
+        stage["mixture"] = {"prose": 0.3, "code": 0.3, "math": 0.2, "remote": 0.2}
+    data["storage"] = {"s3": {"endpoint_url": s3_server["endpoint"], "key": "testing", "secret": "testing-secret"},
+                       "mirror": "s3://runs-bucket/micro"}
+    recipe = write_recipe(tmp_path / "s3.yaml", data)
+
+    curate_flow(str(recipe), str(tmp_path / "run"))
+    summary = json.loads((tmp_path / "run" / "ingest" / MANIFEST).read_text())["summary"]
+    assert summary["sources"]["remote"]["docs"] == 60
+    for step in STEPS:
+        assert fs.exists(f"runs-bucket/micro/{step}/{MANIFEST}"), step
+    assert "testing-secret" not in (tmp_path / "run" / "recipe.json").read_text()
+
+    # a fresh machine with an empty run dir pulls every finished step back instead of recomputing
+    shutil.rmtree(tmp_path / "run")
+    curate_flow(str(recipe), str(tmp_path / "run2"))
+    for step in STEPS:
+        remote = json.loads(fs.cat(f"runs-bucket/micro/{step}/{MANIFEST}"))
+        local = json.loads((tmp_path / "run2" / step / MANIFEST).read_text())
+        assert local["started"] == remote["started"] and local["fingerprint"] == remote["fingerprint"]
+
+
+def test_cli_help_and_clear_errors(tmp_path):
+    smolflow = [str(Path(sys.executable).parent / "smolflow")]  # the installed entry point
+    out = subprocess.run([*smolflow, "--help"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and all(cmd in out.stdout for cmd in ("validate", "run", "stage"))
+    data = micro_recipe()
+    data["pretrain"]["stages"][0]["mixture"]["prose"] = 0.9
+    bad = write_recipe(tmp_path / "bad.yaml", data)
+    out = subprocess.run([*smolflow, "validate", str(bad)], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2
+    assert f"{bad}: invalid recipe" in out.stderr and "pretrain.stages[0]: mixture weights sum to 1.45" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = subprocess.run([*smolflow, "stage", "nonsense", str(bad)], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2 and "unknown stage 'nonsense'; stages: curate" in out.stderr

@@ -1,0 +1,107 @@
+"""Recipe validation: every mistake names the file and the dotted key."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.recipe import RecipeError, load_recipe
+from tests.helpers import REPO, micro_recipe, write_recipe
+
+
+def error_for(tmp_path, **changes) -> str:
+    path = write_recipe(tmp_path / "bad.yaml", micro_recipe(**changes))
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    return str(err.value)
+
+
+def test_shipped_recipes_validate():
+    tiny = load_recipe(REPO / "configs" / "tiny.yaml")
+    real = load_recipe(REPO / "configs" / "smollm3-3b.yaml")
+    assert [s.name for s in tiny.pretrain.stages][:3] == ["stage1", "stage2", "stage3"]
+    assert real.pretrain.stages[0].tokens == 8 * 10**12
+    assert any(s.path.startswith("hf://datasets/") for s in real.sources)
+
+
+def test_misspelt_key_names_file_and_path(tmp_path):
+    data = micro_recipe()
+    data["curate"]["dedup"]["minhash"]["bucketz"] = 3
+    path = write_recipe(tmp_path / "typo.yaml", data)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert str(path) in str(err.value)
+    assert "curate.dedup.minhash.bucketz: unknown key" in str(err.value)
+
+
+def test_wrong_type_names_list_index(tmp_path):
+    msg = error_for(tmp_path, **{"sources.1.limit": "many"})
+    assert "sources[1].limit" in msg
+
+
+def test_weights_must_sum_to_one(tmp_path):
+    msg = error_for(tmp_path, **{"pretrain.stages.0.mixture": {"prose": 0.5, "code": 0.2, "math": 0.1}})
+    assert "pretrain.stages[0]" in msg and "sum to 0.8" in msg
+
+
+def test_stage_without_tokens(tmp_path):
+    msg = error_for(tmp_path, **{"pretrain.stages.1.tokens": 0})
+    assert "pretrain.stages[1].tokens" in msg
+
+
+def test_mixture_names_unknown_source(tmp_path):
+    msg = error_for(tmp_path, **{"pretrain.stages.2.mixture": {"prose": 0.5, "web": 0.5}})
+    assert "unknown source 'web'" in msg
+
+
+def test_filter_parameter_checked_against_datatrove(tmp_path):
+    data = micro_recipe()
+    data["curate"]["filters"]["prose"]["gopher_quality"] = {"min_doc_wordz": 10}
+    path = write_recipe(tmp_path / "f.yaml", data)
+    with pytest.raises(RecipeError, match=r"filters\.prose\.gopher_quality: .*no parameter 'min_doc_wordz'"):
+        load_recipe(path)
+
+
+def test_filter_needing_an_asset_fails_at_validation(tmp_path):
+    data = micro_recipe()
+    data["curate"]["filters"]["prose"]["language"] = {"languages": ["en"]}
+    path = write_recipe(tmp_path / "lid.yaml", data)
+    with pytest.raises(RecipeError, match=r"language.*model_path.*local path or s3://"):
+        load_recipe(path)
+
+
+def test_domain_without_filter_set(tmp_path):
+    data = micro_recipe()
+    del data["curate"]["filters"]["math"]
+    path = write_recipe(tmp_path / "d.yaml", data)
+    with pytest.raises(RecipeError, match=r"domain 'math' has no filter set"):
+        load_recipe(path)
+
+
+def test_tokenizer_path_must_be_the_json_file(tmp_path):
+    msg = error_for(tmp_path, **{"curate.tokenizer": {"path": "/models/smollm3"}})
+    assert "tokenizer.json itself" in msg
+
+
+def test_overrides_and_token_suffixes(tmp_path):
+    path = write_recipe(tmp_path / "ok.yaml", micro_recipe())
+    recipe = load_recipe(path, ["pretrain.stages.0.tokens=1.5M", "curate.strict=true"])
+    assert recipe.pretrain.stages[0].tokens == 1_500_000
+    assert recipe.curate.strict is True
+    with pytest.raises(RecipeError, match="no item 9"):
+        load_recipe(path, ["sources.9.name=x"])
+
+
+def test_secrets_are_masked_in_dumps(tmp_path):
+    from infra.recipe import recipe_dump
+
+    path = write_recipe(tmp_path / "s.yaml", micro_recipe(**{"storage": {"s3": {"key": "AKIA", "secret": "hunter2"}}}))
+    dumped = str(recipe_dump(load_recipe(path)))
+    assert "hunter2" not in dumped and "AKIA" not in dumped
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    (tmp_path / "broken.yaml").write_text("name: [unclosed\n")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(tmp_path / "broken.yaml")
