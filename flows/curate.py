@@ -18,8 +18,15 @@ def curate(ctx: RunContext) -> dict[str, StepOutput]:
     tokenized = t.tokenize(ctx, decont, tok)
     mixed = t.mixtures(ctx, tokenized)
     steps = {"corpus": embedded} if embedded else {}
-    steps |= {"ingest": ingested, "filter": filtered, "dedup": deduped, "decont": decont, "tokenizer": tok,
-             "tokenize": tokenized, "mixtures": mixed}
+    steps |= {
+        "ingest": ingested,
+        "filter": filtered,
+        "dedup": deduped,
+        "decont": decont,
+        "tokenizer": tok,
+        "tokenize": tokenized,
+        "mixtures": mixed,
+    }
     t.report(ctx, steps)
     return steps
 

@@ -21,9 +21,7 @@ app = typer.Typer(
 )
 
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML, e.g. configs/tiny.yaml.", show_default=False)]
-RunDirOpt = Annotated[
-    str | None, typer.Option("--run-dir", help="Folder for every step's outputs [default: runs/<recipe name>].")
-]
+RunDirOpt = Annotated[str | None, typer.Option("--run-dir", help="Folder for every step's outputs [default: runs/<recipe name>].")]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override a recipe key, e.g. --set curate.strict=true (repeatable; value is YAML)."),
@@ -88,4 +86,3 @@ def stage(
         typer.secho(f"error: unknown stage {name!r}; stages: {', '.join(STAGES)}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
     _run_flow(STAGES[name], recipe, run_dir, set_ or [])
-

@@ -12,6 +12,7 @@ OFFLINE_DEFAULTS = {
     # the ephemeral API server needs 20-50 s to start on a loaded 2-core machine; the default is 20 s
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "PREFECT_LOGGING_LEVEL": "INFO",
+    "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
     # show the project's own log lines (step skipped or built, counts) in flow run logs
     "PREFECT_LOGGING_EXTRA_LOGGERS": "infra,tasks,model,postrain",
 }

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from infra.errors import SmolflowError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from infra.errors import SmolflowError
 
 
 class RecipeError(SmolflowError, ValueError):
@@ -171,8 +172,9 @@ class MinhashCfg(Strict):
     buckets: int = Field(14, gt=0)
     hashes_per_bucket: int = Field(8, gt=0)
     normalize_numbers: bool = Field(
-        False, description="map every number to 0 before hashing (datatrove's default); makes templated math "
-        "worksheets look like copies of each other"
+        False,
+        description="map every number to 0 before hashing (datatrove's default); makes templated math "
+        "worksheets look like copies of each other",
     )
 
 

@@ -19,7 +19,7 @@ import os
 import platform
 import shutil
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,8 +208,7 @@ class RunContext:
         mirror = Mirror(recipe.storage.mirror, recipe.storage.s3) if recipe.storage.mirror else None
         return cls(recipe=recipe, run_dir=root, mirror=mirror)
 
-    def step(self, name: str, config: Any, inputs: Mapping[str, StepOutput | str],
-             build: Callable[[Path], dict[str, Any]]) -> StepOutput:
+    def step(self, name: str, config: Any, inputs: Mapping[str, StepOutput | str], build: Callable[[Path], dict[str, Any]]) -> StepOutput:
         return run_step(self.run_dir, name, config, inputs, build, self.mirror)
 
     def load_step(self, name: str, needed_by: str) -> StepOutput:

@@ -67,19 +67,16 @@ def with_retries(what: str, fn: Callable[[], T], attempts: int = 4, backoff_s: f
     raise AssertionError("unreachable")
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+def file_digest(path: Path, algorithm: str = "sha256") -> str:
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, algorithm).hexdigest()
 
 
 def fingerprint_files(files: Iterable[tuple[str, Path]]) -> str:
     """Content fingerprint of (name, file) pairs: names and bytes, not paths or times."""
     digest = hashlib.sha256()
     for rel, path in sorted(files):
-        digest.update(f"{rel}\0{sha256_file(path)}\n".encode())
+        digest.update(f"{rel}\0{file_digest(path)}\n".encode())
     return digest.hexdigest()[:20]
 
 
@@ -99,14 +96,6 @@ def fingerprint_url(url: str, glob: str, s3: S3Cfg | None = None) -> str:
         etag = info.get("ETag") or info.get("etag") or info.get("blob_id") or info.get("mtime", "")
         digest.update(f"{key}\0{info.get('size')}\0{etag}\n".encode())
     return digest.hexdigest()[:20]
-
-
-def md5_of(path: Path) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class Mirror:
@@ -135,7 +124,7 @@ class Mirror:
         files = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.name != marker)
         for path in files:
             target = f"{remote}/{path.relative_to(local_dir).as_posix()}"
-            self._retry(f"upload {target}", lambda: self._put_verified(path, target))
+            self._retry(f"upload {target}", lambda path=path, target=target: self._put_verified(path, target))
         self._retry(f"upload {remote}/{marker}", lambda: self._put_verified(local_dir / marker, f"{remote}/{marker}"))
         self.fs.invalidate_cache()
 
@@ -146,7 +135,7 @@ class Mirror:
         if info.get("size") != path.stat().st_size:
             raise OSError(f"size mismatch after upload of {target}")
         etag = str(info.get("ETag", "")).strip('"')
-        if etag and "-" not in etag and etag != md5_of(path):  # multipart ETags are not MD5s
+        if etag and "-" not in etag and etag != file_digest(path, "md5"):  # multipart ETags are not MD5s
             raise OSError(f"checksum mismatch after upload of {target}")
 
     def read_marker(self, name: str, marker: str) -> dict[str, Any] | None:
@@ -168,7 +157,7 @@ class Mirror:
             rel = key[len(remote) + 1 :]
             target = local_dir / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            self._retry(f"download {key}", lambda: self.fs.get_file(key, str(target)))
+            self._retry(f"download {key}", lambda key=key, target=target: self.fs.get_file(key, str(target)))
             if target.stat().st_size != info.get("size"):
                 raise StorageError(f"download of {key} is incomplete")
         if not (local_dir / marker).exists():

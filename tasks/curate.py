@@ -39,8 +39,17 @@ def build_corpus(ctx: RunContext) -> StepOutput | None:
     stdlib = fingerprint_files((p.relative_to(root).as_posix(), p) for p in corpus.stdlib_files(root, max_bytes))
 
     def build(out: Path) -> dict:
-        counts = corpus.build_corpus(root, max_bytes, cfg.math_problems, cfg.problems_per_doc, cfg.max_value,
-                                     recipe.seed, corpus.read_eval_questions(evals), out, recipe.executor.tasks)
+        counts = corpus.build_corpus(
+            root,
+            max_bytes,
+            cfg.math_problems,
+            cfg.problems_per_doc,
+            cfg.max_value,
+            recipe.seed,
+            corpus.read_eval_questions(evals),
+            out,
+            recipe.executor.tasks,
+        )
         run_logger().info("embedded corpus: %s documents", counts)
         return {"docs": counts, "stdlib": str(root)}
 
@@ -60,15 +69,13 @@ def ingest(ctx: RunContext, embedded: StepOutput | None) -> StepOutput:
         else:
             paths[source.name] = source.path
             try:
-                inputs[source.name] = fingerprint_url(source.path, source.glob or DEFAULT_GLOBS[source.format],
-                                                      recipe.storage.s3)
+                inputs[source.name] = fingerprint_url(source.path, source.glob or DEFAULT_GLOBS[source.format], recipe.storage.s3)
             except FileNotFoundError:
                 raise DataError(f"source {source.name!r} ({source.path}): no such file or folder") from None
     config = {"sources": [s.model_dump() for s in recipe.sources], "strict": recipe.curate.strict}
     out = ctx.step("ingest", config, inputs, lambda out: pipelines.ingest(recipe, paths, out))
     for name, s in out.summary["sources"].items():
-        run_logger().info("ingest %s: %d documents from %d files, %d malformed", name, s["docs"], s["files"],
-                          s["malformed"])
+        run_logger().info("ingest %s: %d documents from %d files, %d malformed", name, s["docs"], s["files"], s["malformed"])
     return out
 
 
@@ -114,8 +121,7 @@ def train_tokenizer(ctx: RunContext, decont: StepOutput) -> StepOutput:
     cfg = ctx.recipe.curate.tokenizer
     if cfg.path:
         inputs = {"tokenizer": fingerprint_files([("tokenizer.json", Path(cfg.path))])}
-        return ctx.step("tokenizer", cfg.model_dump(), inputs,
-                        lambda out: tokenizer.copy_existing(cfg.path, out) or {"path": cfg.path})
+        return ctx.step("tokenizer", cfg.model_dump(), inputs, lambda out: tokenizer.copy_existing(cfg.path, out) or {"path": cfg.path})
 
     def build(out: Path) -> dict:
         dirs = [decont.path / pipelines.DATA / s.name for s in ctx.recipe.sources]
@@ -130,8 +136,12 @@ def train_tokenizer(ctx: RunContext, decont: StepOutput) -> StepOutput:
 @stage_task("tokenize")
 def tokenize(ctx: RunContext, decont: StepOutput, tok: StepOutput) -> StepOutput:
     recipe = ctx.recipe
-    out = ctx.step("tokenize", {"seed": recipe.seed}, {"decont": decont, "tokenizer": tok},
-                   lambda out: pipelines.tokenize(recipe, decont.path, tok.path / "tokenizer.json", out))
+    out = ctx.step(
+        "tokenize",
+        {"seed": recipe.seed},
+        {"decont": decont, "tokenizer": tok},
+        lambda out: pipelines.tokenize(recipe, decont.path, tok.path / "tokenizer.json", out),
+    )
     for name, s in out.summary["sources"].items():
         run_logger().info("tokenize %s: %d documents, %d tokens", name, s["docs"], s["tokens"])
     return out
@@ -147,8 +157,7 @@ def mixtures(ctx: RunContext, tokenized: StepOutput) -> StepOutput:
         write_json_atomic(out / "mixtures.json", manifest)
         return manifest
 
-    config = {"stages": [s.model_dump() for s in pretrain.stages], "seq_len": pretrain.seq_len,
-              "max_epochs": pretrain.max_epochs}
+    config = {"stages": [s.model_dump() for s in pretrain.stages], "seq_len": pretrain.seq_len, "max_epochs": pretrain.max_epochs}
     out = ctx.step("mixtures", config, {"tokenize": tokenized}, build)
     for warning in out.summary["warnings"]:
         run_logger().warning("mixture: %s", warning)
@@ -165,7 +174,6 @@ def report(ctx: RunContext, steps: dict[str, StepOutput]) -> Path:
     (path.with_suffix(".json")).write_text(json.dumps({k: v.summary for k, v in steps.items()}, indent=2))
     key = f"{ctx.recipe.name}-curation".replace("_", "-")
     create_markdown_artifact(markdown, key=key, description="Curation report")
-    create_table_artifact(mixture_rows(steps["mixtures"].summary), key=f"{key}-mixtures",
-                          description="Tokens drawn per stage and source")
+    create_table_artifact(mixture_rows(steps["mixtures"].summary), key=f"{key}-mixtures", description="Tokens drawn per stage and source")
     run_logger().info("curation report: %s", path.resolve())
     return path

@@ -7,9 +7,9 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+
 from infra.env import apply_offline_defaults
 from tests.helpers import REPO
 
@@ -42,8 +42,9 @@ def free_port() -> int:
 def s3_server():
     """A real moto S3 server on 127.0.0.1 with dummy credentials in the environment."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while time.time() < deadline:

@@ -28,8 +28,16 @@ def recipe_for(path, strict=False, fmt="jsonl", endpoint=None):
 @pytest.fixture
 def messy(tmp_path):
     raw = tmp_path / "raw"
-    write_jsonl(raw / "a.jsonl", [{"id": "1", "text": GOOD}, '{"id": "2", "text": "unterminated', {"id": "3", "text": GOOD + " 3"},
-                                  {"id": "4", "body": "no text field"}, {"id": "5", "text": ""}])
+    write_jsonl(
+        raw / "a.jsonl",
+        [
+            {"id": "1", "text": GOOD},
+            '{"id": "2", "text": "unterminated',
+            {"id": "3", "text": GOOD + " 3"},
+            {"id": "4", "body": "no text field"},
+            {"id": "5", "text": ""},
+        ],
+    )
     (raw / "b.jsonl").write_bytes(b'{"id": "6", "text": "caf\xe9 latin-1 bytes"}\n' + (f'{{"id": "7", "text": "{GOOD} 7"}}\n').encode())
     (raw / "empty.jsonl").write_text("")
     return raw
@@ -110,6 +118,7 @@ def test_unreachable_s3_endpoint_is_named(tmp_path, monkeypatch):
 
 def test_everything_filtered_out_fails_with_counts(tmp_path, prefect_server):
     from prefect import flow
+
     from tasks import curate
 
     raw = write_jsonl(tmp_path / "raw" / "x.jsonl", [{"id": str(i), "text": "too short"} for i in range(5)])

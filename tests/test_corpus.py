@@ -11,8 +11,7 @@ from tests.helpers import REPO
 
 
 def build(out, exclude=frozenset()):
-    return corpus.build_corpus(corpus.stdlib_root(), 300_000, 240, 12, 99, seed=7, exclude_questions=set(exclude),
-                               out=out, shards=2)
+    return corpus.build_corpus(corpus.stdlib_root(), 300_000, 240, 12, 99, seed=7, exclude_questions=set(exclude), out=out, shards=2)
 
 
 def test_corpus_is_deterministic(tmp_path):

@@ -65,8 +65,9 @@ def planted(tmp_path_factory):
         assert jaccard(near[-1], uniques[10 + i]) >= 0.9
     records += [{"id": f"near{i}", "text": t} for i, t in enumerate(near)]
     evals = [json.loads(line) for line in (REPO / "configs/evals/word_problems.jsonl").read_text().splitlines()]
-    records += [{"id": f"leak{i}", "text": unique_doc(rng, 60) + " " + evals[i * 7]["question"] + " " + unique_doc(rng, 60)}
-                for i in range(3)]
+    records += [
+        {"id": f"leak{i}", "text": unique_doc(rng, 60) + " " + evals[i * 7]["question"] + " " + unique_doc(rng, 60)} for i in range(3)
+    ]
     rng.shuffle(records)
     write_jsonl(root / "raw" / "part0.jsonl", records[: len(records) // 2])
     write_jsonl(root / "raw" / "part1.jsonl", records[len(records) // 2 :])
@@ -151,9 +152,11 @@ def test_repeating_a_small_source_warns_then_fails():
     recipe = parse_recipe(micro_recipe(), "micro")
     # math draws 200 + 600 + 800 + 200 tokens over the four stages
     manifest = resolve_mixtures(recipe.pretrain, {"prose": 10_000, "code": 10_000, "math": 600})
-    assert manifest["warnings"] == ["stage2: math repeated 1.33x so far (800 of 600 tokens)",
-                                    "stage3: math repeated 2.67x so far (1,600 of 600 tokens)",
-                                    "long_context: math repeated 3.00x so far (1,800 of 600 tokens)"]
+    assert manifest["warnings"] == [
+        "stage2: math repeated 1.33x so far (800 of 600 tokens)",
+        "stage3: math repeated 2.67x so far (1,600 of 600 tokens)",
+        "long_context: math repeated 3.00x so far (1,800 of 600 tokens)",
+    ]
     with pytest.raises(MixtureError, match=r"stages\[2\] \(stage3\): source 'math' would be repeated 4.6 times"):
         resolve_mixtures(recipe.pretrain, {"prose": 10_000, "code": 10_000, "math": 350})
 
@@ -161,8 +164,9 @@ def test_repeating_a_small_source_warns_then_fails():
 def test_executor_construction_for_clusters(tmp_path):
     from datatrove.executor import RayPipelineExecutor, SlurmPipelineExecutor
 
-    recipe = parse_recipe(micro_recipe(executor={"kind": "slurm", "tasks": 64, "workers": 8,
-                                                 "slurm": {"partition": "hopper-cpu", "time": "02:00:00"}}), "m")
+    recipe = parse_recipe(
+        micro_recipe(executor={"kind": "slurm", "tasks": 64, "workers": 8, "slurm": {"partition": "hopper-cpu", "time": "02:00:00"}}), "m"
+    )
     ex = pipelines.make_executor(recipe.executor, [], tmp_path / "logs", 64, "filter-web")
     assert isinstance(ex, SlurmPipelineExecutor)
     assert (ex.tasks, ex.partition, ex.time, ex.job_name) == (64, "hopper-cpu", "02:00:00", "smolflow-filter-web")

@@ -70,8 +70,10 @@ def test_curate_reads_raw_from_s3_and_mirrors_every_step(tmp_path, prefect_serve
     data["curate"]["filters"]["web"] = {}
     for stage in data["pretrain"]["stages"]:
         stage["mixture"] = {"prose": 0.3, "code": 0.3, "math": 0.2, "remote": 0.2}
-    data["storage"] = {"s3": {"endpoint_url": s3_server["endpoint"], "key": "testing", "secret": "testing-secret"},
-                       "mirror": "s3://runs-bucket/micro"}
+    data["storage"] = {
+        "s3": {"endpoint_url": s3_server["endpoint"], "key": "testing", "secret": "testing-secret"},
+        "mirror": "s3://runs-bucket/micro",
+    }
     recipe = write_recipe(tmp_path / "s3.yaml", data)
 
     curate_flow(str(recipe), str(tmp_path / "run"))
@@ -103,3 +105,38 @@ def test_cli_help_and_clear_errors(tmp_path):
     assert "Traceback" not in out.stderr
     out = subprocess.run([*smolflow, "stage", "nonsense", str(bad)], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 2 and "unknown stage 'nonsense'; stages: curate" in out.stderr
+
+
+@pytest.mark.slow
+def test_killed_curate_run_resumes_to_the_same_result(tmp_path, prefect_server):
+    """SIGKILL the whole CLI process group mid-run; the rerun finishes with the uninterrupted result."""
+    import os
+    import signal
+    import time
+
+    from prefect.settings import PREFECT_API_URL
+
+    recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe(**{"executor.workers": 2}))
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    cmd = [str(Path(sys.executable).parent / "smolflow"), "stage", "curate", str(recipe), "--run-dir"]
+
+    reference = tmp_path / "reference"
+    subprocess.run([*cmd, str(reference)], env=env, cwd=REPO, check=True, capture_output=True)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [*cmd, str(killed)], env=env, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 300
+    while not (killed / ".partial" / "dedup").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.5)  # inside the dedup step's datatrove pipelines
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "dedup" / MANIFEST).exists(), "the killed step must not look finished"
+
+    subprocess.run([*cmd, str(killed)], env=env, cwd=REPO, check=True, capture_output=True)
+    for step in ("tokenize", "mixtures"):
+        a = json.loads((reference / step / MANIFEST).read_text())["summary"]
+        b = json.loads((killed / step / MANIFEST).read_text())["summary"]
+        assert a == b, step

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 DOMAINS = ("prose", "code", "math")
 
 
@@ -62,9 +64,7 @@ def docstrings_of(source: str) -> list[str]:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
-    nodes = [tree] + [
-        n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-    ]
+    nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
     nodes.sort(key=lambda n: getattr(n, "lineno", 0))
     found = (ast.get_docstring(n, clean=True) for n in nodes)
     return [d for d in found if d]
@@ -93,7 +93,8 @@ def comment_blocks_of(source: str) -> list[str]:
 
 def stdlib_docs(root: Path, max_bytes: int | None) -> Iterator[EmbeddedDoc]:
     """One code document per module, one prose document of its docstrings, one of its comments."""
-    for path in stdlib_files(root, max_bytes):
+    files = stdlib_files(root, max_bytes)
+    for path in tqdm(files, desc="stdlib modules", unit="file", mininterval=2, disable=len(files) < 200):
         source = _read_source(path)
         if source is None or not source.strip():
             continue
@@ -108,8 +109,16 @@ def stdlib_docs(root: Path, max_bytes: int | None) -> Iterator[EmbeddedDoc]:
 
 
 _NAMES = ["Ada", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Iris", "Jonas", "Kemi", "Liam"]
-_ITEMS = [("apple", "apples"), ("book", "books"), ("marble", "marbles"), ("coin", "coins"),
-          ("pencil", "pencils"), ("stamp", "stamps"), ("shell", "shells"), ("card", "cards")]
+_ITEMS = [
+    ("apple", "apples"),
+    ("book", "books"),
+    ("marble", "marbles"),
+    ("coin", "coins"),
+    ("pencil", "pencils"),
+    ("stamp", "stamps"),
+    ("shell", "shells"),
+    ("card", "cards"),
+]
 
 
 def arithmetic_problem(rng: random.Random, max_value: int) -> tuple[str, str, int]:

@@ -136,4 +136,3 @@ def build_filter(name: str, params: dict[str, Any], exclusion_writer: DiskWriter
 def build_filters(filter_params: dict[str, dict[str, Any]], exclusion_writer_for) -> list[BaseFilter]:
     """The filters of one domain in recipe order; `exclusion_writer_for(name)` keeps what each removes."""
     return [build_filter(name, params, exclusion_writer_for(name)) for name, params in filter_params.items()]
-

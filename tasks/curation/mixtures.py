@@ -52,10 +52,13 @@ def resolve_mixtures(pretrain: PretrainCfg, available: dict[str, int]) -> dict[s
                     f"pretrain.max_epochs={pretrain.max_epochs:g}: lower its weight or the stages' tokens"
                 )
             if cumulative > 1:
-                warnings.append(f"{stage.name}: {source} repeated {cumulative:.2f}x so far "
-                                f"({drawn_so_far[source]:,} of {have:,} tokens)")
-            rows[source] = {"weight": stage.mixture[source], "tokens": tokens, "available": have,
-                            "epochs": round(tokens / have, 4), "cumulative_epochs": round(cumulative, 4)}
-        stages.append({"name": stage.name, "tokens": stage.tokens, "seq_len": stage.seq_len or pretrain.seq_len,
-                       "sources": rows})
+                warnings.append(f"{stage.name}: {source} repeated {cumulative:.2f}x so far ({drawn_so_far[source]:,} of {have:,} tokens)")
+            rows[source] = {
+                "weight": stage.mixture[source],
+                "tokens": tokens,
+                "available": have,
+                "epochs": round(tokens / have, 4),
+                "cumulative_epochs": round(cumulative, 4),
+            }
+        stages.append({"name": stage.name, "tokens": stage.tokens, "seq_len": stage.seq_len or pretrain.seq_len, "sources": rows})
     return {"stages": stages, "warnings": warnings}

@@ -23,7 +23,12 @@ import numpy as np
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.decont import NGramsDecontConfig, NGramsDecontFilter
 from datatrove.pipeline.dedup import MinhashDedupCluster, MinhashDedupFilter, MinhashDedupSignature
-from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactDedupFilter, ExactDedupSignature, ExactFindDedups
+from datatrove.pipeline.dedup.exact_dedup import (
+    ExactDedupConfig,
+    ExactDedupFilter,
+    ExactDedupSignature,
+    ExactFindDedups,
+)
 from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupBuckets
 from datatrove.pipeline.readers import JsonlReader
 from datatrove.pipeline.writers import JsonlWriter
@@ -129,18 +134,26 @@ def ingest(recipe: Recipe, source_paths: dict[str, str], out: Path) -> dict[str,
         errors_dir = out / "errors" / source.name
         reader = make_reader(source, folder, glob, recipe.storage.s3, errors_dir, recipe.curate.strict)
         stats = run_pipeline(
-            recipe.executor, [reader, _writer(out / DATA)], out / "logs" / source.name,
-            _tasks_for(recipe.executor, len(files)), f"ingest-{source.name}",
+            recipe.executor,
+            [reader, _writer(out / DATA)],
+            out / "logs" / source.name,
+            _tasks_for(recipe.executor, len(files)),
+            f"ingest-{source.name}",
         )
         docs = count_docs(out / DATA).get(source.name, 0)
         malformed = stats[0]["counters"].get("malformed", 0) if stats else 0
         summary["sources"][source.name] = {
-            "files": len(files), "docs": docs, "malformed": malformed, "errors": read_errors(errors_dir, 5),
+            "files": len(files),
+            "docs": docs,
+            "malformed": malformed,
+            "errors": read_errors(errors_dir, 5),
         }
         if docs == 0:
-            raise DataError(f"source {source.name!r} ({source_paths[source.name]}): no usable documents "
-                            f"in {len(files)} file(s); {malformed} malformed record(s), first: "
-                            f"{read_errors(errors_dir, 3)}")
+            raise DataError(
+                f"source {source.name!r} ({source_paths[source.name]}): no usable documents "
+                f"in {len(files)} file(s); {malformed} malformed record(s), first: "
+                f"{read_errors(errors_dir, 3)}"
+            )
     return summary
 
 
@@ -164,13 +177,15 @@ def filter_docs(recipe: Recipe, ingested: Path, out: Path) -> dict[str, Any]:
             _writer(out / DATA),
         ]
         n_files = len(list(in_dir.glob("*.jsonl.gz")))
-        stats = run_pipeline(recipe.executor, pipeline, out / "logs" / source.name,
-                             _tasks_for(recipe.executor, n_files), f"filter-{source.name}")
+        stats = run_pipeline(
+            recipe.executor, pipeline, out / "logs" / source.name, _tasks_for(recipe.executor, n_files), f"filter-{source.name}"
+        )
         docs_in = stats[0]["counters"].get("documents", 0)
         removed = {
-            name: {"total": step["counters"].get("dropped", 0),
-                   "reasons": {k.removeprefix("dropped_"): v for k, v in step["counters"].items()
-                               if k.startswith("dropped_")}}
+            name: {
+                "total": step["counters"].get("dropped", 0),
+                "reasons": {k.removeprefix("dropped_"): v for k, v in step["counters"].items() if k.startswith("dropped_")},
+            }
             for name, step in zip(params, stats[1 : 1 + len(params)])
         }
         summary["sources"][source.name] = {
@@ -203,39 +218,71 @@ def dedup(recipe: Recipe, filtered: Path, out: Path) -> dict[str, Any]:
     if cfg.exact:
         exact_cfg = ExactDedupConfig(content_getter=_text_of)
         sigs, dups = out / "work" / "exact_sigs", out / "work" / "exact_dups"
-        run_pipeline(ex, [_reader(current, DOC_FILES), ExactDedupSignature(str(sigs), exact_cfg)],
-                     out / "logs" / "exact1", tasks, "dedup-exact-signatures")
-        run_pipeline(ex, [ExactFindDedups(str(sigs), str(dups), exact_cfg)], out / "logs" / "exact2", 1,
-                     "dedup-exact-find")
+        run_pipeline(
+            ex,
+            [_reader(current, DOC_FILES), ExactDedupSignature(str(sigs), exact_cfg)],
+            out / "logs" / "exact1",
+            tasks,
+            "dedup-exact-signatures",
+        )
+        run_pipeline(ex, [ExactFindDedups(str(sigs), str(dups), exact_cfg)], out / "logs" / "exact2", 1, "dedup-exact-find")
         stats = run_pipeline(
             ex,
-            [_reader(current, DOC_FILES),
-             ExactDedupFilter(str(dups), exact_cfg, exclusion_writer=_writer(out / "removed" / "exact", False)),
-             _writer(out / "work" / "exact_out")],
-            out / "logs" / "exact3", tasks, "dedup-exact-filter")
+            [
+                _reader(current, DOC_FILES),
+                ExactDedupFilter(str(dups), exact_cfg, exclusion_writer=_writer(out / "removed" / "exact", False)),
+                _writer(out / "work" / "exact_out"),
+            ],
+            out / "logs" / "exact3",
+            tasks,
+            "dedup-exact-filter",
+        )
         removed["exact"] = stats[1]["counters"].get("dropped", 0)
         current = out / "work" / "exact_out"
 
     mh = cfg.minhash
     if mh.enabled:
-        mh_cfg = MinhashConfig(n_grams=mh.n_grams, num_buckets=mh.buckets, hashes_per_bucket=mh.hashes_per_bucket,
-                               norm_config=TextNormConfig(norm_numbers=mh.normalize_numbers))
+        mh_cfg = MinhashConfig(
+            n_grams=mh.n_grams,
+            num_buckets=mh.buckets,
+            hashes_per_bucket=mh.hashes_per_bucket,
+            norm_config=TextNormConfig(norm_numbers=mh.normalize_numbers),
+        )
         work = out / "work"
         n_files = len(list(current.glob(DOC_FILES)))
         tasks = _tasks_for(ex, n_files)
-        run_pipeline(ex, [_reader(current, DOC_FILES),
-                          MinhashDedupSignature(str(work / "mh_sigs"), config=mh_cfg, language=SPLIT_WORDS)],
-                     out / "logs" / "minhash1", tasks, "dedup-minhash-signatures")
-        run_pipeline(ex, [MinhashDedupBuckets(str(work / "mh_sigs"), str(work / "mh_buckets"), config=mh_cfg)],
-                     out / "logs" / "minhash2", mh.buckets, "dedup-minhash-buckets")
-        run_pipeline(ex, [MinhashDedupCluster(str(work / "mh_buckets"), str(work / "mh_clusters"), config=mh_cfg)],
-                     out / "logs" / "minhash3", 1, "dedup-minhash-cluster")
+        run_pipeline(
+            ex,
+            [_reader(current, DOC_FILES), MinhashDedupSignature(str(work / "mh_sigs"), config=mh_cfg, language=SPLIT_WORDS)],
+            out / "logs" / "minhash1",
+            tasks,
+            "dedup-minhash-signatures",
+        )
+        run_pipeline(
+            ex,
+            [MinhashDedupBuckets(str(work / "mh_sigs"), str(work / "mh_buckets"), config=mh_cfg)],
+            out / "logs" / "minhash2",
+            mh.buckets,
+            "dedup-minhash-buckets",
+        )
+        run_pipeline(
+            ex,
+            [MinhashDedupCluster(str(work / "mh_buckets"), str(work / "mh_clusters"), config=mh_cfg)],
+            out / "logs" / "minhash3",
+            1,
+            "dedup-minhash-cluster",
+        )
         stats = run_pipeline(
             ex,
-            [_reader(current, DOC_FILES),
-             MinhashDedupFilter(str(work / "mh_clusters"), exclusion_writer=_writer(out / "removed" / "minhash", False)),
-             _writer(out / DATA)],
-            out / "logs" / "minhash4", tasks, "dedup-minhash-filter")
+            [
+                _reader(current, DOC_FILES),
+                MinhashDedupFilter(str(work / "mh_clusters"), exclusion_writer=_writer(out / "removed" / "minhash", False)),
+                _writer(out / DATA),
+            ],
+            out / "logs" / "minhash4",
+            tasks,
+            "dedup-minhash-filter",
+        )
         removed["minhash"] = stats[1]["counters"].get("dropped", 0)
     else:
         shutil.copytree(current, out / DATA)
@@ -302,21 +349,32 @@ def decontaminate(recipe: Recipe, deduped: Path, out: Path) -> dict[str, Any]:
     n_files = len(list((deduped / DATA).glob(DOC_FILES)))
     stats = run_pipeline(
         recipe.executor,
-        [_reader(deduped / DATA, DOC_FILES),
-         NGramsDecontFilter(str(index_dir), config=decont_config(cfg.n_grams),
-                            exclusion_writer=_writer(out / "removed", by_source=True), language=SPLIT_WORDS),
-         _writer(out / DATA)],
-        out / "logs" / "decont", _tasks_for(recipe.executor, n_files), "decontaminate")
+        [
+            _reader(deduped / DATA, DOC_FILES),
+            NGramsDecontFilter(
+                str(index_dir),
+                config=decont_config(cfg.n_grams),
+                exclusion_writer=_writer(out / "removed", by_source=True),
+                language=SPLIT_WORDS,
+            ),
+            _writer(out / DATA),
+        ],
+        out / "logs" / "decont",
+        _tasks_for(recipe.executor, n_files),
+        "decontaminate",
+    )
     counters = stats[1]["counters"]
     return {
         "indexed_ngrams": indexed,
-        "hits": {k.removeprefix("contaminated_"): v for k, v in counters.items() if k.startswith("contaminated_")
-                 and not k.startswith("contaminated_tg_")},
+        "hits": {
+            k.removeprefix("contaminated_"): v
+            for k, v in counters.items()
+            if k.startswith("contaminated_") and not k.startswith("contaminated_tg_")
+        },
         "hits_by_source": count_docs(out / "removed"),
         "docs_in": counters.get("total", 0),
         "docs_out": count_docs(out / DATA),
     }
-
 
 
 def tokenize(recipe: Recipe, decontaminated: Path, tokenizer_json: Path, out: Path) -> dict[str, Any]:
@@ -332,14 +390,23 @@ def tokenize(recipe: Recipe, decontaminated: Path, tokenizer_json: Path, out: Pa
             continue
         shards = out / "work" / source.name
         tokenizer = DocumentTokenizer(
-            str(shards), tokenizer_name_or_path=str(tokenizer_json), eos_token=EOS, seed=recipe.seed,
+            str(shards),
+            tokenizer_name_or_path=str(tokenizer_json),
+            eos_token=EOS,
+            seed=recipe.seed,
             local_working_dir=str(out / "work" / f"{source.name}-tmp"),
         )
         n_files = len(list(in_dir.glob("*.jsonl.gz")))
-        run_pipeline(recipe.executor, [_reader(in_dir), tokenizer], out / "logs" / f"{source.name}-tokenize",
-                     _tasks_for(recipe.executor, n_files), f"tokenize-{source.name}")
-        merger = DocumentTokenizerMerger(str(shards), str(out / DATA / source.name), save_filename=source.name,
-                                         seed=recipe.seed, progress=False)
+        run_pipeline(
+            recipe.executor,
+            [_reader(in_dir), tokenizer],
+            out / "logs" / f"{source.name}-tokenize",
+            _tasks_for(recipe.executor, n_files),
+            f"tokenize-{source.name}",
+        )
+        merger = DocumentTokenizerMerger(
+            str(shards), str(out / DATA / source.name), save_filename=source.name, seed=recipe.seed, progress=False
+        )
         run_pipeline(recipe.executor, [merger], out / "logs" / f"{source.name}-merge", 1, f"merge-{source.name}")
         summary["sources"][source.name] = token_counts(out / DATA / source.name)
     shutil.rmtree(out / "work", ignore_errors=True)

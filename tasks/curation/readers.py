@@ -26,12 +26,8 @@ DEFAULT_GLOBS = {"jsonl": "**/*.jsonl*", "parquet": "**/*.parquet", "text": "**/
 class CheckedReaderMixin:
     """Counts, records and (in strict mode) raises on records that cannot become documents."""
 
-    source_name: str
-    domain: str
-    errors_dir: str
-    strict: bool
-
-    def _setup_checks(self, source: SourceCfg, errors_dir: Path, strict: bool) -> None:
+    def __init__(self, source: SourceCfg, errors_dir: Path, strict: bool, **reader_kwargs: Any):
+        super().__init__(**reader_kwargs)
         self.source_name, self.domain = source.name, source.domain
         self.errors_dir, self.strict = str(errors_dir), strict
         self._error_file = None
@@ -72,10 +68,6 @@ class CheckedReaderMixin:
 
 
 class CheckedJsonlReader(CheckedReaderMixin, JsonlReader):
-    def __init__(self, source: SourceCfg, errors_dir: Path, strict: bool, **kwargs: Any):
-        super().__init__(**kwargs)
-        self._setup_checks(source, errors_dir, strict)
-
     def read_file(self, filepath: str):
         with self.data_folder.open(filepath, "rb", compression=self.compression) as f:
             empty = True
@@ -104,10 +96,6 @@ class TextFilesReader(CheckedReaderMixin, BaseDiskReader):
 
     name = "📄 Text files"
 
-    def __init__(self, source: SourceCfg, errors_dir: Path, strict: bool, **kwargs: Any):
-        super().__init__(**kwargs)
-        self._setup_checks(source, errors_dir, strict)
-
     def read_file(self, filepath: str):
         with self.data_folder.open(filepath, "rb") as f:
             raw = f.read()
@@ -123,10 +111,6 @@ class TextFilesReader(CheckedReaderMixin, BaseDiskReader):
 
 
 class CheckedParquetReader(CheckedReaderMixin, ParquetReader):
-    def __init__(self, source: SourceCfg, errors_dir: Path, strict: bool, **kwargs: Any):
-        super().__init__(**kwargs)
-        self._setup_checks(source, errors_dir, strict)
-
     def read_file(self, filepath: str):
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -140,8 +124,7 @@ class CheckedParquetReader(CheckedReaderMixin, ParquetReader):
         for key in (self.text_key, self.id_key):
             if key not in names:
                 raise DataError(
-                    f"source {self.source_name!r}: {filepath}: no column {key!r} (columns: {names}); "
-                    "set the source's text_key / id_key"
+                    f"source {self.source_name!r}: {filepath}: no column {key!r} (columns: {names}); set the source's text_key / id_key"
                 )
         yield from super().read_file(filepath)
 
@@ -171,8 +154,9 @@ def list_source_files(source: SourceCfg, path: str, s3: S3Cfg | None) -> tuple[s
 
 
 def make_reader(source: SourceCfg, path: str, glob: str, s3: S3Cfg | None, errors_dir: Path, strict: bool):
-    cls = {"jsonl": CheckedJsonlReader, "embedded": CheckedJsonlReader, "text": TextFilesReader,
-           "parquet": CheckedParquetReader}[source.format]
+    cls = {"jsonl": CheckedJsonlReader, "embedded": CheckedJsonlReader, "text": TextFilesReader, "parquet": CheckedParquetReader}[
+        source.format
+    ]
     return cls(
         source,
         errors_dir,

@@ -40,8 +40,15 @@ def examples(folder: Path, limit: int, chars: int = 160) -> list[str]:
 
 def mixture_rows(mixtures: dict[str, Any]) -> list[dict[str, Any]]:
     return [
-        {"stage": stage["name"], "source": source, "weight": row["weight"], "tokens": row["tokens"],
-         "available": row["available"], "epochs": row["epochs"], "cumulative_epochs": row["cumulative_epochs"]}
+        {
+            "stage": stage["name"],
+            "source": source,
+            "weight": row["weight"],
+            "tokens": row["tokens"],
+            "available": row["available"],
+            "epochs": row["epochs"],
+            "cumulative_epochs": row["cumulative_epochs"],
+        }
         for stage in mixtures["stages"]
         for source, row in stage["sources"].items()
     ]
@@ -53,8 +60,12 @@ def curation_report(steps: dict[str, StepOutput], examples_per_filter: int) -> s
     out = ["# Curation report", ""]
 
     out += ["## Sources", ""]
-    out.append(_table(["source", "files", "documents", "malformed records"],
-                      [[n, s["files"], s["docs"], s["malformed"]] for n, s in ingest["sources"].items()]))
+    out.append(
+        _table(
+            ["source", "files", "documents", "malformed records"],
+            [[n, s["files"], s["docs"], s["malformed"]] for n, s in ingest["sources"].items()],
+        )
+    )
     for name, s in ingest["sources"].items():
         for err in s["errors"]:
             where = f"{err['file']}:{err['line']}" if err["line"] else err["file"]
@@ -64,8 +75,7 @@ def curation_report(steps: dict[str, StepOutput], examples_per_filter: int) -> s
     out += ["## Quality filters", ""]
     for name, s in filt["sources"].items():
         out.append(f"### {name}: {s['docs_in']:,} in, {s['docs_out']:,} out")
-        rows = [[f, r["total"], ", ".join(f"{k}: {v:,}" for k, v in r["reasons"].items())]
-                for f, r in s["removed"].items()]
+        rows = [[f, r["total"], ", ".join(f"{k}: {v:,}" for k, v in r["reasons"].items())] for f, r in s["removed"].items()]
         out += ["", _table(["filter", "removed", "reasons"], rows), ""]
         for f in s["removed"]:
             for ex in examples(steps["filter"].path / "removed" / name / f, examples_per_filter):
@@ -80,22 +90,38 @@ def curation_report(steps: dict[str, StepOutput], examples_per_filter: int) -> s
     out.append("")
 
     out += ["## Decontamination", ""]
-    rows = [[task, v["items"], v["ngrams"], v["too_short"], decont["hits"].get(task, 0)]
-            for task, v in decont["indexed_ngrams"].items()]
+    rows = [[task, v["items"], v["ngrams"], v["too_short"], decont["hits"].get(task, 0)] for task, v in decont["indexed_ngrams"].items()]
     out += [_table(["eval set", "items", "n-grams indexed", "items too short to index", "documents removed"], rows), ""]
     out += [f"- {ex}" for ex in examples(steps["decont"].path / "removed", examples_per_filter)]
     out.append("")
 
     out += ["## Tokens per source", ""]
-    out.append(_table(["source", "documents", "tokens"],
-                      [[n, s["docs"], s["tokens"]] for n, s in tokens["sources"].items()]))
+    out.append(_table(["source", "documents", "tokens"], [[n, s["docs"], s["tokens"]] for n, s in tokens["sources"].items()]))
     out += ["", "## Mixtures", ""]
-    out.append(_table(["stage", "source", "weight", "tokens", "available", "epochs", "epochs so far"],
-                      [[r["stage"], r["source"], f"{r['weight']:.0%}", r["tokens"], r["available"], f"{r['epochs']:.2f}",
-                        f"{r['cumulative_epochs']:.2f}"] for r in mixture_rows(mixtures)]))
+    out.append(
+        _table(
+            ["stage", "source", "weight", "tokens", "available", "epochs", "epochs so far"],
+            [
+                [
+                    r["stage"],
+                    r["source"],
+                    f"{r['weight']:.0%}",
+                    r["tokens"],
+                    r["available"],
+                    f"{r['epochs']:.2f}",
+                    f"{r['cumulative_epochs']:.2f}",
+                ]
+                for r in mixture_rows(mixtures)
+            ],
+        )
+    )
     out += [""] + [f"- ⚠️ {w}" for w in mixtures["warnings"]]
 
     out += ["", "## Steps", ""]
-    out.append(_table(["step", "step id", "cached", "seconds"],
-                      [[s.name, s.step_id, "yes" if s.cached else "no", f"{s.seconds:.1f}"] for s in steps.values()]))
+    out.append(
+        _table(
+            ["step", "step id", "cached", "seconds"],
+            [[s.name, s.step_id, "yes" if s.cached else "no", f"{s.seconds:.1f}"] for s in steps.values()],
+        )
+    )
     return "\n".join(out) + "\n"
