@@ -5,9 +5,10 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.curate import curate_flow
+from flows.pretrain import pretrain_flow
 
 # Stage name -> its flow; `smolflow stage NAME` runs one of them on its own.
-STAGES = {"curate": curate_flow}
+STAGES = {"curate": curate_flow, "pretrain": pretrain_flow}
 
 
 @flow(name="full-pipeline")

@@ -49,6 +49,46 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
         typer.echo(f"  stage {stage.name}: {stage.tokens:,} tokens, seq {stage.seq_len or r.pretrain.seq_len}: {mix}")
 
 
+@app.command("plan")
+def plan_cmd(recipe: RecipeArg, set_: SetOpt = None) -> None:
+    """Per pretraining stage: tokens, steps, global batch, FLOPs, memory per GPU (ZeRO 0-3), GPUs needed."""
+    from infra.plan import GiB, plan
+    from infra.recipe import load_recipe
+
+    try:
+        r = load_recipe(recipe, set_ or [])
+        result = plan(r)
+    except (SmolflowError, ValueError) as err:
+        _fail(SmolflowError(str(err)))
+    p = r.pretrain
+    typer.echo(
+        f"{r.name}: {result.params / 1e9:.3f}B parameters, {result.total_tokens:,} tokens, layout "
+        f"DP {p.parallel.dp} x TP {p.parallel.tp} x PP {p.parallel.pp} = {result.gpus} {p.hardware.name}"
+    )
+    for s in result.stages:
+        typer.echo(
+            f"\n{s.name}: {s.tokens:,} tokens, seq {s.seq_len}, micro-batch {s.micro_batch}, global batch "
+            f"DP {p.parallel.dp} x {s.micro_batch} x {p.grad_accum} x {s.seq_len} = {s.global_batch_tokens:,} tokens, "
+            f"{s.steps:,} steps"
+        )
+        typer.echo(f"  compute: 6ND = {s.flops_6nd:.3e} FLOPs ({s.flops:.3e} with attention)")
+        for z, mem in s.memory.items():
+            mark = " <- recipe" if z == p.zero_stage else ""
+            typer.echo(
+                f"  memory/GPU ZeRO-{z}: {mem['total'] / GiB:7.1f} GiB (weights {mem['weights'] / GiB:.1f}, "
+                f"grads {mem['grads'] / GiB:.1f}, optimizer {mem['optimizer'] / GiB:.1f}, "
+                f"activations {mem['activations'] / GiB:.1f}){mark}"
+            )
+        for problem in s.problems:
+            typer.secho(f"  ! {problem}", fg=typer.colors.YELLOW)
+    if result.gpus_needed is not None:
+        hw = p.hardware
+        typer.echo(
+            f"\nGPUs needed for {hw.target_days:g} days at {hw.assumed_mfu:.0%} MFU of {hw.peak_tflops:g} TFLOP/s: "
+            f"{result.gpus_needed:.0f} (recipe layout: {result.gpus})"
+        )
+
+
 def _run_flow(flow_fn, recipe: Path, run_dir: str | None, overrides: list[str]) -> None:
     from infra.recipe import load_recipe
 
@@ -74,7 +114,7 @@ def run(recipe: RecipeArg, run_dir: RunDirOpt = None, set_: SetOpt = None) -> No
 
 @app.command()
 def stage(
-    name: Annotated[str, typer.Argument(help="Stage to run: curate.", show_default=False)],
+    name: Annotated[str, typer.Argument(help="Stage to run: curate, pretrain.", show_default=False)],
     recipe: RecipeArg,
     run_dir: RunDirOpt = None,
     set_: SetOpt = None,

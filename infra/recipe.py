@@ -235,12 +235,19 @@ class CurateCfg(Strict):
 
 
 class StageCfg(Strict):
-    """A pretraining stage: a token budget and the mixture of sources it is drawn from."""
+    """A pretraining stage: a token budget and the mixture of sources it is drawn from.
+
+    A stage with `rope_theta` is a long-context extension: it starts from the previous stage's
+    weights with that RoPE base on the RoPE layers (the playbook's ABF step) and its own `seq_len`.
+    """
 
     name: Name
     tokens: Count
     mixture: dict[Name, float]
     seq_len: int | None = Field(None, gt=0, description="defaults to pretrain.seq_len")
+    micro_batch_size: int | None = Field(None, gt=0, description="defaults to pretrain.micro_batch_size")
+    rope_theta: float | None = Field(None, gt=0, description="set on long-context stages: the raised RoPE base")
+    lr: float | None = Field(None, gt=0, description="constant learning rate of a long-context stage; default: min lr")
 
     @model_validator(mode="after")
     def _weights(self) -> StageCfg:
@@ -254,18 +261,122 @@ class StageCfg(Strict):
             raise ValueError(f"mixture weights sum to {total:g}, not 1")
         return self
 
+    @property
+    def long_context(self) -> bool:
+        return self.rope_theta is not None
+
+
+class ModelCfg(Strict):
+    """transformers' SmolLM3 architecture: GQA, NoPE every `no_rope_layer_interval`-th layer, tied embeddings."""
+
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    no_rope_layer_interval: int = Field(4, gt=0)
+    rope_theta: float = Field(10_000.0, gt=0)
+    tie_word_embeddings: bool = True
+    init_std: float = Field(0.02, gt=0)
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    vocab_size: int | None = Field(None, gt=0, description="default: the tokenizer's vocabulary size")
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelCfg:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads (GQA groups)")
+        return self
+
+
+class OptimizerCfg(Strict):
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0, description="not applied to embeddings, norms and biases")
+    grad_clip: float = Field(1.0, gt=0)
+    z_loss: float = Field(0.0, ge=0, description="weight of the logsumexp^2 penalty (0 = off)")
+    warmup_steps: int = Field(100, ge=0)
+    decay_fraction: float = Field(0.1, ge=0, le=1, description="share of the main stages' steps spent decaying")
+
+
+class CheckpointCfg(Strict):
+    every_steps: int = Field(200, gt=0)
+    every_minutes: float = Field(15, gt=0)
+    keep_last: int = Field(2, ge=1)
+
+
+class SpikeCfg(Strict):
+    """What to do when a batch's loss jumps above `factor` x its running mean."""
+
+    policy: Literal["warn", "skip", "rollback"] = "warn"
+    factor: float = Field(3.0, gt=1)
+    warmup_steps: int = Field(20, ge=0, description="no checks before the running mean settles")
+
+
+class LauncherCfg(Strict):
+    """How trainer processes start: one process, torchrun, or the deepspeed launcher (multi-node: hostfile)."""
+
+    kind: Literal["python", "torchrun", "deepspeed"] = "python"
+    nproc: int = Field(1, gt=0, description="ranks per node")
+    threads_per_rank: int = Field(2, gt=0)
+    hostfile: str | None = None
+
+
+class ParallelCfg(Strict):
+    """Layout used by the planner (training on CPU is data-parallel only)."""
+
+    dp: int = Field(1, gt=0)
+    tp: int = Field(1, gt=0)
+    pp: int = Field(1, gt=0)
+
+
+class HardwareCfg(Strict):
+    """The accelerator the plan is for; `peak_tflops` null on CPU means measure with a matmul probe."""
+
+    name: str = "cpu"
+    peak_tflops: float | None = Field(None, gt=0)
+    memory_gb: float = Field(24, gt=0)
+    assumed_mfu: float = Field(0.3, gt=0, le=1)
+    target_days: float | None = Field(None, gt=0)
+
 
 class PretrainCfg(Strict):
     seq_len: int = Field(gt=0)
     max_epochs: float = Field(4.0, gt=0, description="fail when a stage repeats a source more often")
     stages: list[StageCfg] = Field(min_length=1)
+    micro_batch_size: int = Field(8, gt=0)
+    grad_accum: int = Field(1, gt=0)
+    global_batch_tokens: Count | None = Field(None, description="intended tokens per step; the planner checks the layout")
+    precision: Literal["fp32", "bf16"] = "fp32"
+    zero_stage: int = Field(0, ge=0, le=3)
+    optimizer: OptimizerCfg = OptimizerCfg()
+    checkpoint: CheckpointCfg = CheckpointCfg()
+    spike: SpikeCfg = SpikeCfg()
+    launcher: LauncherCfg = LauncherCfg()
+    parallel: ParallelCfg = ParallelCfg()
+    hardware: HardwareCfg = HardwareCfg()
+    log_every: int = Field(10, gt=0)
+    yarn_factor: float | None = Field(None, gt=1, description="YaRN factor written into the final config")
+    tracking: Literal["trackio", "none"] = "trackio"
 
     @model_validator(mode="after")
     def _unique(self) -> PretrainCfg:
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
+        kinds = [s.long_context for s in self.stages]
+        if kinds[0] or kinds != sorted(kinds):
+            raise ValueError("long-context stages (with rope_theta) come after at least one main stage, at the end")
         return self
+
+    def stage_seq_len(self, stage: StageCfg) -> int:
+        return stage.seq_len or self.seq_len
+
+    def stage_micro_batch(self, stage: StageCfg) -> int:
+        return stage.micro_batch_size or self.micro_batch_size
 
 
 class Recipe(Strict):
@@ -276,6 +387,7 @@ class Recipe(Strict):
     sources: list[SourceCfg] = Field(min_length=1)
     embedded: EmbeddedCorpusCfg = EmbeddedCorpusCfg()
     curate: CurateCfg
+    model: ModelCfg
     pretrain: PretrainCfg
 
     @model_validator(mode="after")

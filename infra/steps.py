@@ -30,6 +30,9 @@ from infra.storage import Mirror, fingerprint_files
 
 MANIFEST = "manifest.json"
 _STEP_ID_FILE = ".step_id"
+# Folders of a step that are neither fingerprinted nor mirrored with it: logs change from run to
+# run, and checkpoints are mirrored as they are written (model/checkpoint.py).
+UNTRACKED_DIRS = ("logs", "checkpoints")
 log = logging.getLogger(__name__)
 
 
@@ -55,14 +58,19 @@ def step_id(name: str, config: Any, inputs: Mapping[str, str]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
-def fingerprint_tree(root: Path, skip_dirs: tuple[str, ...] = ("logs",)) -> str:
-    """Fingerprint of every file under `root` except the manifest and log folders."""
+def fingerprint_tree(root: Path, skip_dirs: tuple[str, ...] = UNTRACKED_DIRS) -> str:
+    """Fingerprint of every file under `root` except the manifest and untracked folders."""
     files = []
     for path in root.rglob("*"):
         rel = path.relative_to(root)
         if path.is_file() and rel.parts[0] not in skip_dirs and path.name not in (MANIFEST, _STEP_ID_FILE):
             files.append((rel.as_posix(), path))
     return fingerprint_files(files)
+
+
+def building_step_id(out: Path) -> str:
+    """Inside a build: the id of the step being built (e.g. to name what it mirrors)."""
+    return (out / _STEP_ID_FILE).read_text()
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -168,7 +176,7 @@ def run_step(
     write_json_atomic(partial / MANIFEST, manifest)
     _commit(partial, final)
     if mirror is not None:
-        mirror.push(final, name, MANIFEST)
+        mirror.push(final, name, MANIFEST, skip_dirs=UNTRACKED_DIRS)
     log.info("step %s: built in %.1f s", name, seconds)
     return _output(manifest, final, cached=False)
 

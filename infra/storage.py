@@ -119,9 +119,11 @@ class Mirror:
     def remote(self, name: str) -> str:
         return f"{self.root}/{name}"
 
-    def push(self, local_dir: Path, name: str, marker: str) -> None:
+    def push(self, local_dir: Path, name: str, marker: str, skip_dirs: tuple[str, ...] = ()) -> None:
         remote = self.remote(name)
-        files = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.name != marker)
+        files = sorted(
+            p for p in local_dir.rglob("*") if p.is_file() and p.name != marker and p.relative_to(local_dir).parts[0] not in skip_dirs
+        )
         for path in files:
             target = f"{remote}/{path.relative_to(local_dir).as_posix()}"
             self._retry(f"upload {target}", lambda path=path, target=target: self._put_verified(path, target))

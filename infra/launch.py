@@ -1,0 +1,86 @@
+"""Starting trainer processes: the launcher command, streaming their output, and killing the whole tree.
+
+torchrun starts its workers in new sessions, so killing the launcher or its process group leaves
+ranks running; `run_streaming` therefore kills the process tree (children first) when the command
+ends badly or the calling task is cancelled, and the ranks themselves exit when their parent dies.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+
+import psutil
+
+from infra.recipe import LauncherCfg
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(cfg: LauncherCfg, module: str, args: list[str], port: int) -> list[str]:
+    """The command that starts `python -m module args` on `cfg.nproc` ranks per node."""
+    if cfg.kind == "python":
+        if cfg.nproc != 1:
+            raise ValueError("launcher.kind python runs one process; use torchrun or deepspeed for nproc > 1")
+        return [sys.executable, "-m", module, *args]
+    if cfg.kind == "torchrun":
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(cfg.nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            "-m",
+            module,
+            *args,
+        ]
+    command = [os.path.join(os.path.dirname(sys.executable), "deepspeed")]
+    if cfg.hostfile:
+        command += ["--hostfile", cfg.hostfile]
+    # on CPU the deepspeed launcher must be told the rank count explicitly
+    return [*command, "--num_gpus", str(cfg.nproc), "--master_port", str(port), "--module", module, *args]
+
+
+def launch_env(cfg: LauncherCfg, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_rank), "PYTHONUNBUFFERED": "1", **(extra or {})}
+    if cfg.kind == "python":  # a lone process still needs a rendezvous, or DeepSpeed tries MPI discovery
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return env
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        parent = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    procs = parent.children(recursive=True) + [parent]
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def run_streaming(command: list[str], env: dict[str, str], on_line: Callable[[str], None], cwd: str | None = None) -> int:
+    """Run `command`, passing each line of its output (stdout and stderr) to `on_line`; returns the exit code."""
+    proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    try:
+        for line in proc.stdout:
+            on_line(line.rstrip())
+        return proc.wait()
+    finally:
+        if proc.poll() is None:  # cancelled or interrupted: no rank may survive the task
+            kill_tree(proc.pid)
+        proc.stdout.close()

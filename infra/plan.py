@@ -1,0 +1,130 @@
+"""The planner: tokens, steps, FLOPs, memory per GPU and GPUs needed for each pretraining stage.
+
+Compute follows the playbook's convention (6·N·D for training, attention added separately);
+memory per GPU counts bf16 weights and gradients, fp32 master weights and Adam moments (16 bytes
+per parameter in all) and activations, with each ZeRO stage sharding one more of them over DP.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from infra.recipe import Recipe
+from model.network import count_params, flops_per_token, model_config
+
+GiB = 2**30
+
+
+def gpus_needed(flops: float, peak_flops: float, mfu: float, seconds: float) -> float:
+    """GPUs that deliver `flops` in `seconds` at `mfu` of `peak_flops` each."""
+    return flops / (peak_flops * mfu * seconds)
+
+
+def memory_per_gpu(params: int, zero_stage: int, dp: int, tp: int, pp: int, activations: float) -> dict[str, float]:
+    """Bytes per GPU: bf16 weights (2), bf16 grads (2), fp32 master + Adam m and v (12) per parameter."""
+    shard = params / (tp * pp)
+    weights, grads, optimizer = 2 * shard, 2 * shard, 12 * shard
+    if zero_stage >= 1:
+        optimizer /= dp
+    if zero_stage >= 2:
+        grads /= dp
+    if zero_stage >= 3:
+        weights /= dp
+    return {
+        "weights": weights,
+        "grads": grads,
+        "optimizer": optimizer,
+        "activations": activations,
+        "total": weights + grads + optimizer + activations,
+    }
+
+
+def activation_bytes(seq: int, micro_batch: int, hidden: int, layers: int, tp: int, pp: int) -> float:
+    """Activations kept for backward (Korthikanti et al.): 34·s·b·h bytes per layer with flash attention,
+    which keeps no s x s score matrix (the 5·a·s²·b term of eager attention)."""
+    return 34 * seq * micro_batch * hidden / tp * layers / pp
+
+
+@dataclass
+class StagePlan:
+    name: str
+    tokens: int
+    seq_len: int
+    micro_batch: int
+    global_batch_tokens: int
+    steps: int
+    flops_6nd: float
+    flops: float
+    memory: dict[int, dict[str, float]]
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    params: int
+    gpus: int  # of the recipe's layout: DP x TP x PP
+    total_tokens: int
+    gpus_needed: float | None  # for the whole run in hardware.target_days at hardware.assumed_mfu
+    stages: list[StagePlan]
+
+
+def planned_vocab(recipe: Recipe) -> int:
+    if recipe.model.vocab_size:
+        return recipe.model.vocab_size
+    if recipe.curate.tokenizer.train:
+        return recipe.curate.tokenizer.train.vocab_size
+    raise ValueError("model.vocab_size is needed to plan a recipe whose tokenizer is given by path")
+
+
+def plan(recipe: Recipe) -> Plan:
+    p, m = recipe.pretrain, recipe.model
+    par, hw = p.parallel, p.hardware
+    config = model_config(m, planned_vocab(recipe), p.seq_len)
+    params = count_params(config)
+    gpus = par.dp * par.tp * par.pp
+    total_tokens = sum(s.tokens for s in p.stages)
+    plans = []
+    for stage in p.stages:
+        seq, mb = p.stage_seq_len(stage), p.stage_micro_batch(stage)
+        gbt = par.dp * mb * p.grad_accum * seq
+        problems = []
+        if p.global_batch_tokens and p.global_batch_tokens != gbt:
+            problems.append(
+                f"global batch of {p.global_batch_tokens:,} tokens is not DP x micro-batch x grad-accum x seq "
+                f"= {gbt:,}"
+                + (
+                    ""
+                    if p.global_batch_tokens % (par.dp * mb * seq)
+                    else f" (use grad_accum {p.global_batch_tokens // (par.dp * mb * seq)})"
+                )
+            )
+        if m.num_attention_heads % par.tp or m.num_key_value_heads % par.tp:
+            problems.append(f"TP {par.tp} does not divide the attention heads ({m.num_attention_heads}/{m.num_key_value_heads})")
+        if m.num_hidden_layers % par.pp:
+            problems.append(f"PP {par.pp} does not divide the {m.num_hidden_layers} layers")
+        act = activation_bytes(seq, mb, m.hidden_size, m.num_hidden_layers, par.tp, par.pp)
+        memory = {z: memory_per_gpu(params, z, par.dp, par.tp, par.pp, act) for z in range(4)}
+        if memory[p.zero_stage]["total"] > hw.memory_gb * GiB:
+            problems.append(
+                f"needs {memory[p.zero_stage]['total'] / GiB:.1f} GiB per GPU with ZeRO-{p.zero_stage}, "
+                f"over the {hw.memory_gb:g} GiB of a {hw.name}"
+            )
+        plans.append(
+            StagePlan(
+                stage.name,
+                stage.tokens,
+                seq,
+                mb,
+                gbt,
+                math.ceil(stage.tokens / gbt),
+                6 * params * stage.tokens,
+                flops_per_token(config, seq) * stage.tokens,
+                memory,
+                problems,
+            )
+        )
+    needed = None
+    if hw.peak_tflops and hw.target_days:
+        needed = gpus_needed(6 * params * total_tokens, hw.peak_tflops * 1e12, hw.assumed_mfu, hw.target_days * 86400)
+    return Plan(params, gpus, total_tokens, needed, plans)

@@ -1,0 +1,107 @@
+"""Packed pretraining batches drawn from the per-source token files by the stage's mixture.
+
+The order of a stage's samples is fixed by (seed, stage): each source contributes exactly the
+number of `seq_len` windows its mixture manifest gives it, shuffled together once. Sample `j` is
+therefore a pure function of `j`, so a resumed run sees exactly the batches the uninterrupted run
+would have, with no reader state to save beyond the step.
+
+Windows are packed: one window may span several documents. Position ids restart at every document
+start and that token's label is -100, so with `attention_mask=None` transformers builds a
+per-document causal mask and no token attends to, or is predicted from, another document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+IGNORE = -100
+
+
+class TokenSource:
+    """The tokens of one source: datatrove `.ds` files (memory-mapped) and their document ends."""
+
+    def __init__(self, folder: Path):
+        files = sorted(Path(folder).glob("*.ds"))
+        if not files:
+            raise FileNotFoundError(f"no .ds token files in {folder}")
+        parts, ends, offset = [], [], 0
+        for ds in files:
+            first = ds.with_name(ds.name + ".metadata").read_text().splitlines()[0]
+            dtype = np.uint32 if first.rsplit("|", 1)[1] == "4" else np.uint16
+            tokens = np.memmap(ds, dtype=dtype, mode="r")
+            parts.append(tokens)
+            ends.append(np.fromfile(str(ds) + ".index", dtype=np.uint64).astype(np.int64) + offset)
+            offset += len(tokens)
+        self.tokens = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self.doc_ends = np.concatenate(ends)
+        self.doc_starts = np.concatenate([[0], self.doc_ends[:-1]])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def window(self, index: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """The `index`-th window of `seq_len` tokens (wrapping around: a second epoch) and its position ids."""
+        n = len(self.tokens)
+        start = (index * seq_len) % n
+        positions = (np.arange(seq_len) + start) % n
+        tokens = np.asarray(self.tokens[positions], dtype=np.int64)
+        doc = np.searchsorted(self.doc_ends, positions, side="right")
+        starts_here = positions == self.doc_starts[np.minimum(doc, len(self.doc_starts) - 1)]
+        starts_here[0] = True  # a window that opens mid-document restarts its positions too
+        index = np.arange(seq_len)
+        last_start = np.maximum.accumulate(np.where(starts_here, index, 0))
+        return tokens, index - last_start
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which source and which window every sample of a stage reads."""
+
+    source_of: np.ndarray  # sample -> source index
+    window_of: np.ndarray  # sample -> window index within its source
+
+
+def plan_stage(samples_per_source: list[int], seed: int, stage_index: int) -> StagePlan:
+    source_of = np.repeat(np.arange(len(samples_per_source), dtype=np.int32), samples_per_source)
+    rng = np.random.default_rng([seed, stage_index])
+    rng.shuffle(source_of)
+    window_of = np.empty(len(source_of), dtype=np.int64)
+    for s in range(len(samples_per_source)):
+        where = source_of == s
+        window_of[where] = np.arange(where.sum())
+    return StagePlan(source_of, window_of)
+
+
+class MixtureBatches:
+    """Batches of a stage: `batch(step, rank, world)` is a pure function of its arguments."""
+
+    def __init__(self, sources: list[TokenSource], plan: StagePlan, seq_len: int, micro_batch: int, grad_accum: int, world_size: int):
+        self.sources, self.plan, self.seq_len = sources, plan, seq_len
+        self.micro_batch, self.grad_accum, self.world_size = micro_batch, grad_accum, world_size
+        self.samples_per_step = micro_batch * grad_accum * world_size
+        self.steps = len(plan.source_of) // self.samples_per_step
+
+    def micro_batches(self, step: int, rank: int) -> list[dict[str, torch.Tensor]]:
+        """The `grad_accum` micro-batches rank `rank` trains on at optimizer step `step`."""
+        first = step * self.samples_per_step + rank * self.micro_batch * self.grad_accum
+        out = []
+        for m in range(self.grad_accum):
+            idx = range(first + m * self.micro_batch, first + (m + 1) * self.micro_batch)
+            out.append(self.collate([self.sample(j) for j in idx]))
+        return out
+
+    def sample(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        source = self.sources[self.plan.source_of[j]]
+        return source.window(int(self.plan.window_of[j]), self.seq_len)
+
+    @staticmethod
+    def collate(samples: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
+        input_ids = torch.from_numpy(np.stack([s[0] for s in samples]))
+        position_ids = torch.from_numpy(np.stack([s[1] for s in samples]))
+        labels = input_ids.clone()
+        labels[position_ids == 0] = IGNORE  # a document's first token is not predicted from the one before
+        return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}

@@ -1,0 +1,172 @@
+"""The network, packed batches, the schedule, checkpoints and the planner (no training run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from infra.plan import gpus_needed, plan
+from infra.recipe import ModelCfg, OptimizerCfg, load_recipe, parse_recipe
+from model.checkpoint import MARKER, CheckpointStore, is_complete
+from model.data import IGNORE, MixtureBatches, TokenSource, plan_stage
+from model.network import build_model, count_params, long_context_config, model_config, with_yarn
+from model.train import wsd_lr
+from tests.helpers import REPO, micro_recipe
+
+TINY = ModelCfg(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+
+
+def write_source(folder: Path, docs: list[list[int]]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    np.array([t for d in docs for t in d], dtype=np.uint16).tofile(folder / "s.ds")
+    np.cumsum([len(d) for d in docs]).astype(np.uint64).tofile(folder / "s.ds.index")
+    (folder / "s.ds.metadata").write_text("tokenizer.json|2\n0\n0")
+    return folder
+
+
+def test_architecture_is_smollm3_with_nope_layers():
+    config = model_config(TINY, vocab_size=300, max_positions=128)
+    model = build_model(config, seed=0)
+    assert config.model_type == "smollm3" and config.no_rope_layers == [1, 1, 1, 0]
+    assert count_params(config) == sum(p.numel() for p in model.parameters())
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert torch.equal(build_model(config, 0).model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
+
+
+def test_packed_documents_do_not_see_each_other(tmp_path):
+    """Changing one document of a packed sequence leaves the other documents' logits unchanged."""
+    rng = np.random.default_rng(0)
+    docs = [list(rng.integers(0, 300, n)) for n in (9, 14, 7, 12)]
+    changed = [d[:] for d in docs]
+    changed[1] = list(rng.integers(0, 300, 14))
+    model = build_model(model_config(TINY, 300, 64), seed=0).eval()
+    outs = []
+    for i, variant in enumerate((docs, changed)):
+        source = TokenSource(write_source(tmp_path / f"v{i}", variant))
+        batch = MixtureBatches.collate([source.window(0, 42)])
+        with torch.no_grad():
+            outs.append(model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0])
+        assert batch["position_ids"][0].tolist()[:11] == [*range(9), 0, 1]
+        assert (batch["labels"][0][[0, 9, 23, 30]] == IGNORE).all()
+    doc1 = slice(9, 23)
+    others = torch.ones(42, dtype=torch.bool)
+    others[doc1] = False
+    assert torch.allclose(outs[0][others], outs[1][others], atol=1e-5)
+    assert not torch.allclose(outs[0][doc1], outs[1][doc1], atol=1e-3)
+    # the same sequence with an all-ones mask attends across documents: the reason attention_mask stays None
+    batch = MixtureBatches.collate([TokenSource(tmp_path / "v1").window(0, 42)])
+    with torch.no_grad():
+        crossed = model(input_ids=batch["input_ids"], attention_mask=torch.ones(1, 42, dtype=torch.long)).logits[0]
+    assert not torch.allclose(crossed[others], outs[1][others], atol=1e-3)
+
+
+def test_batches_are_a_pure_function_of_the_step_and_follow_the_mixture(tmp_path):
+    sources = [TokenSource(write_source(tmp_path / n, [list(range(k, k + 50))] * 4)) for n, k in (("a", 0), ("b", 100))]
+    plan_ = plan_stage([30, 10], seed=3, stage_index=1)
+    assert np.bincount(plan_.source_of).tolist() == [30, 10]
+    batches = MixtureBatches(sources, plan_, seq_len=16, micro_batch=2, grad_accum=2, world_size=2)
+    assert batches.steps == 5
+    again = MixtureBatches(sources, plan_stage([30, 10], seed=3, stage_index=1), 16, 2, 2, 2)
+    for step in range(batches.steps):
+        for rank in range(2):
+            a, b = batches.micro_batches(step, rank), again.micro_batches(step, rank)
+            assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b))
+    seen = torch.cat([mb["input_ids"] for s in range(5) for r in range(2) for mb in batches.micro_batches(s, r)])
+    assert ((seen[:, 0] >= 100).sum().item(), (seen[:, 0] < 100).sum().item()) == (10, 30)
+
+
+def test_warmup_stable_decay_schedule():
+    opt = OptimizerCfg(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, decay_fraction=0.2)
+    lrs = [wsd_lr(s, 100, opt) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert set(lrs[10:80]) == {1.0}
+    assert lrs[80] < 1.0 and lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[80:], lrs[81:]))
+
+
+def test_long_context_config_and_yarn():
+    base = model_config(TINY, 300, 256)
+    long = long_context_config(base, 1024, rope_theta=1e5)
+    assert long.max_position_embeddings == 1024 and long.rope_parameters["rope_theta"] == 1e5
+    assert long.no_rope_layers == base.no_rope_layers
+    yarn = with_yarn(long, 2.0)
+    assert yarn.max_position_embeddings == 2048
+    assert yarn.rope_parameters["rope_type"] == "yarn" and yarn.rope_parameters["original_max_position_embeddings"] == 1024
+
+
+def fake_checkpoint(store: CheckpointStore, step: int, payload: bytes = b"x" * 100) -> None:
+    tag = f"step{step:08d}"
+    staged = store.tmp_dir() / tag
+    (staged / "shards").mkdir(parents=True)
+    (staged / "shards" / "optim.pt").write_bytes(payload)
+    store.commit(tag, step, {})
+
+
+def test_torn_checkpoint_is_never_loaded(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=2)
+    fake_checkpoint(store, 10)
+    fake_checkpoint(store, 20)
+    # a save killed midway: files staged but never committed, and a folder whose shard lost bytes
+    (store.tmp_dir() / "step00000030").mkdir()
+    (tmp_path / "step00000020" / "shards" / "optim.pt").write_bytes(b"x" * 10)
+    assert not is_complete(tmp_path / "step00000020")
+    assert store.latest() == "step00000010"
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=2)
+    for step in (1, 2, 3, 4):
+        fake_checkpoint(store, step)
+    assert store.local_tags() == ["step00000003", "step00000004"]
+    assert json.loads((tmp_path / "latest.json").read_text())["tag"] == "step00000004"
+
+
+@pytest.mark.slow
+def test_checkpoints_mirror_to_s3_and_come_back(tmp_path, s3_server):
+    import s3fs
+
+    from infra.recipe import S3Cfg
+    from infra.storage import Mirror
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server["endpoint"]})
+    fs.mkdir("ckpt-bucket")
+    mirror = Mirror("s3://ckpt-bucket/run", S3Cfg(endpoint_url=s3_server["endpoint"]), backoff_s=0.1)
+    store = CheckpointStore(tmp_path / "a", keep_last=1, mirror=mirror, remote_name="checkpoints/stage1")
+    for step in (5, 10):
+        fake_checkpoint(store, step)
+    assert store.close() == []
+    assert fs.exists(f"ckpt-bucket/run/checkpoints/stage1/step00000010/{MARKER}")
+    assert store.local_tags() == ["step00000010"]  # the older one went only after its upload was verified
+
+    # the newest checkpoint is not on this machine: resume pulls it back from S3
+    fresh = CheckpointStore(tmp_path / "b", keep_last=1, mirror=mirror, remote_name="checkpoints/stage1")
+    assert fresh.latest() == "step00000010" and is_complete(tmp_path / "b" / "step00000010")
+    fresh.close()
+
+    # an S3 outage: uploads fail, every local copy is kept
+    down = Mirror("s3://ckpt-bucket/run", S3Cfg(endpoint_url="http://127.0.0.1:9"), attempts=2, backoff_s=0.01)
+    offline = CheckpointStore(tmp_path / "c", keep_last=1, mirror=down, remote_name="checkpoints/stage2")
+    fake_checkpoint(offline, 1)
+    fake_checkpoint(offline, 2)
+    assert offline.close() == ["step00000001", "step00000002"]
+    assert offline.local_tags() == ["step00000001", "step00000002"]
+
+
+def test_planner_matches_the_playbook():
+    # 3B parameters, 11T tokens, 30% MFU of 720 TFLOP/s, 4 weeks
+    assert round(gpus_needed(6 * 3e9 * 11e12, 720e12, 0.3, 28 * 86400)) == 379
+    result = plan(load_recipe(REPO / "configs" / "smollm3-3b.yaml"))
+    assert result.gpus == 384 and 3.0e9 < result.params < 3.1e9
+    stage1 = result.stages[0]
+    assert stage1.global_batch_tokens == 192 * 3 * 4096 == 2_359_296 and not stage1.problems
+
+
+def test_planner_flags_bad_plans():
+    data = micro_recipe(**{"pretrain.global_batch_tokens": 5000, "pretrain.hardware": {"memory_gb": 0.001}})
+    problems = plan(parse_recipe(data, "m")).stages[0].problems
+    assert any("global batch of 5,000 tokens" in p for p in problems)
+    assert any("GiB per GPU with ZeRO-0" in p for p in problems)
