@@ -13,7 +13,9 @@ import ctypes
 import json
 import math
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from infra.recipe import ModelCfg, PretrainCfg, S3Cfg
 from infra.storage import Mirror
-from model.checkpoint import CheckpointStore, tag_for
+from model.checkpoint import MARKER, CheckpointStore, tag_for
 from model.data import IGNORE, MixtureBatches, TokenSource, plan_stage
 from model.network import build_model, flops_per_token, long_context_config, model_config, param_groups, with_yarn
 
@@ -237,25 +239,35 @@ def train(job: TrainJob) -> dict[str, Any]:
         if init_tag is None:
             raise FileNotFoundError(f"{stage.name}: no complete checkpoint of the previous stage in {job.init_from}")
 
+    latest = broadcast(store.latest() if rank == 0 else None)
+    # the checkpoint this run starts from, in DeepSpeed's universal format if it was saved by another rank count
+    load_from = (store.root, latest) if latest else (Path(job.init_from), init_tag) if init_tag else None
+    universal = load_from is not None and needs_universal(*load_from, world, p.zero_stage)
+    if universal:
+        load_from = to_universal(*load_from, rank)
+
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir)
     special = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None}
     model = initial_model(job, len(tokenizer), special, init_tag)
     optimizer = torch.optim.AdamW(
         param_groups(model, p.optimizer.weight_decay), lr=p.optimizer.lr, betas=p.optimizer.betas, eps=p.optimizer.eps
     )
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(job, micro_batch))
+    config = ds_config(job, micro_batch) | ({"checkpoint": {"load_universal": True}} if universal else {})
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if world == 1 and p.zero_stage == 0:
+        # one rank: the gradient all-reduce is a copy for nothing (ZeRO still needs it: it partitions there)
+        engine.enable_backward_allreduce = False
 
     sources, samples = load_sources(job)
     data = MixtureBatches(sources, plan_stage(samples, job.seed, job.stage_index), seq_len, micro_batch, p.grad_accum, world)
     step, skip_steps, ema = 0, set(), None
-    latest = broadcast(store.latest() if rank == 0 else None)
     if latest is not None:
-        _, client = engine.load_checkpoint(str(store.root), tag=latest)
+        _, client = engine.load_checkpoint(str(load_from[0]), tag=load_from[1])
         step, skip_steps, ema = client["step"], set(client["skip_steps"]), client["loss_ema"]
         set_rng_state(client["rng"])
         say(f"resumed {stage.name} from checkpoint {latest} (step {step}/{data.steps})")
     elif init_tag is not None:
-        engine.load_checkpoint(job.init_from, tag=init_tag, load_optimizer_states=True)
+        engine.load_checkpoint(str(load_from[0]), tag=load_from[1], load_optimizer_states=True)
         say(f"{stage.name}: continuing from {job.init_from}/{init_tag} (weights and optimizer state)")
 
     fpt = flops_per_token(engine.module.config, seq_len)
@@ -268,7 +280,7 @@ def train(job: TrainJob) -> dict[str, Any]:
     )
 
     last_save, window_loss, window_start, window_steps = time.time(), 0.0, time.time(), 0
-    stopped_early = False
+    stopped_early, save_seconds = False, []
     started_at = step
     while step < data.steps:
         if job.stop_after_steps is not None and step - started_at >= job.stop_after_steps:
@@ -328,8 +340,10 @@ def train(job: TrainJob) -> dict[str, Any]:
             window_loss, window_steps, window_start = 0.0, 0, time.time()
         due = step % p.checkpoint.every_steps == 0 or time.time() - last_save > p.checkpoint.every_minutes * 60
         if due or step == data.steps:
+            begun = time.time()
             save(engine, store, step, {"skip_steps": sorted(skip_steps), "loss_ema": ema}, rank, tokenizer)
             last_save = time.time()
+            save_seconds.append(last_save - begun)
 
     failed_uploads = store.close() if rank == 0 else []
     summary = {
@@ -340,6 +354,7 @@ def train(job: TrainJob) -> dict[str, Any]:
         "seq_len": seq_len,
         "stopped_early": stopped_early,
         "failed_uploads": failed_uploads,
+        "checkpoint_seconds": round(sum(save_seconds) / len(save_seconds), 3) if save_seconds else None,
     }
     if rank == 0 and not stopped_early:
         export_final(engine, tokenizer, Path(job.out_dir) / "final", job)
@@ -347,6 +362,38 @@ def train(job: TrainJob) -> dict[str, Any]:
     tracker.finish()
     dist.barrier()
     return summary
+
+
+def needs_universal(root: Path, tag: str, world: int, zero_stage: int) -> bool:
+    """ZeRO shards saved by a different number of ranks cannot be loaded as they are."""
+    saved = json.loads((Path(root) / tag / MARKER).read_text()).get("world_size", world)
+    return zero_stage > 0 and saved != world
+
+
+def to_universal(root: Path, tag: str, rank: int) -> tuple[Path, str]:
+    """Convert ROOT/TAG with DeepSpeed's ds_to_universal (once, on rank 0) into ROOT/.universal/TAG."""
+    import torch.distributed as dist
+
+    target = Path(root) / ".universal"
+    if rank == 0 and not (target / tag / "zero").exists():
+        staging = target / f".{tag}"
+        shutil.rmtree(staging, ignore_errors=True)
+        print(f"converting {tag} to a universal checkpoint (saved by another number of ranks)", flush=True)
+        command = [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(Path(root) / tag),
+            "--output_folder",
+            str(staging),
+            "--inject_missing_state",
+        ]
+        subprocess.run(command, check=True)
+        shutil.rmtree(target / tag, ignore_errors=True)
+        os.replace(staging, target / tag)
+    dist.barrier()
+    return target, tag
 
 
 def broadcast(value):

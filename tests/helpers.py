@@ -17,8 +17,16 @@ def micro_recipe(**changes) -> dict:
     data["executor"] = {"kind": "local", "tasks": 2, "workers": 1}
     data["embedded"].update(stdlib_max_mb=0.6, math_problems=600)
     data["curate"]["tokenizer"]["train"] = {"vocab_size": 512, "min_frequency": 2, "sample_mb": 1}
+    data["model"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    data["pretrain"].update(
+        seq_len=64, micro_batch_size=4, log_every=5, tracking="none", checkpoint={"every_steps": 5, "every_minutes": 60, "keep_last": 2}
+    )
+    data["pretrain"]["optimizer"].update(warmup_steps=5)
+    data["pretrain"]["launcher"]["threads_per_rank"] = 1
     for stage in data["pretrain"]["stages"]:
         stage["tokens"] = 2000
+    data["pretrain"]["stages"][0]["tokens"] = 8000
+    data["pretrain"]["stages"][-1].update(seq_len=128, micro_batch_size=2)
     for key, value in changes.items():
         node = data
         *path, last = key.split(".")

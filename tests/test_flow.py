@@ -140,3 +140,40 @@ def test_killed_curate_run_resumes_to_the_same_result(tmp_path, prefect_server):
         a = json.loads((reference / step / MANIFEST).read_text())["summary"]
         b = json.loads((killed / step / MANIFEST).read_text())["summary"]
         assert a == b, step
+
+
+@pytest.mark.slow
+def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_server):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flows.pipeline import full_pipeline
+
+    recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe(**{"pretrain.tracking": "trackio"}))
+    result = full_pipeline(str(recipe), str(tmp_path / "run"))
+    assert result["curate"].endswith("curate.md")
+    final = Path(result["pretrain"])
+    model = AutoModelForCausalLM.from_pretrained(final)
+    tok = AutoTokenizer.from_pretrained(final)
+    assert model.config.rope_parameters["rope_type"] == "yarn" and model.config.max_position_embeddings == 256
+    ids = model.generate(**tok("Problem: What is 2 + 3?", return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    assert ids.shape[1] > 4
+    report = (tmp_path / "run" / "reports" / "pretrain.md").read_text()
+    assert all(f"| {s} |" in report for s in ("stage1", "stage2", "stage3", "long_context"))
+    for stage in ("stage1", "stage2", "stage3", "long_context"):
+        metrics = (tmp_path / "run" / f"pretrain_{stage}" / "metrics.jsonl").read_text().splitlines()
+        assert metrics and all(json.loads(m)["loss"] > 0 for m in metrics)
+        for ckpt in (tmp_path / "run" / f"pretrain_{stage}" / "checkpoints").glob("step*"):
+            AutoModelForCausalLM.from_pretrained(ckpt / "hf")  # every kept checkpoint is a loadable HF model
+    assert (tmp_path / "run" / "trackio").is_dir()
+
+
+def test_stage_on_an_empty_run_dir_says_what_to_run_first(tmp_path):
+    recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe())
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "smolflow"), "stage", "pretrain", str(recipe), "--run-dir", str(tmp_path / "empty")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert out.returncode == 2
+    assert "pretrain needs the output of step 'tokenize'" in out.stderr and "run the stage that produces it" in out.stderr

@@ -170,3 +170,17 @@ def test_planner_flags_bad_plans():
     problems = plan(parse_recipe(data, "m")).stages[0].problems
     assert any("global batch of 5,000 tokens" in p for p in problems)
     assert any("GiB per GPU with ZeRO-0" in p for p in problems)
+
+
+def test_slurm_script_requeues_and_launches_every_node(tmp_path):
+    import subprocess
+
+    from infra.slurm import sbatch_script
+
+    recipe = load_recipe(REPO / "configs" / "smollm3-3b.yaml")
+    script = sbatch_script(recipe, "stage1", tmp_path / "job.json", nodes=48, gpus_per_node=8, log_dir=tmp_path)
+    assert "#SBATCH --requeue" in script and "#SBATCH --nodes=48" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "scontrol requeue" in script and "--signal=B:USR1@300" in script
+    launch = next(line for line in script.splitlines() if "--module model.train" in line)
+    assert '--hostfile "$HOSTFILE" --num_gpus 8 --num_nodes 48' in launch and launch.endswith("job.json &")
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid bash

@@ -216,3 +216,23 @@ def test_cancelled_launch_leaves_no_rank_behind(data, tmp_path):
     kill_tree(proc.pid)
     _, alive = psutil.wait_procs(ranks, timeout=15)
     assert not alive
+
+
+def test_resume_on_fewer_ranks_goes_through_a_universal_checkpoint(data, tmp_path):
+    """2 ranks of ZeRO-2 stop mid-stage; 1 rank (same global batch via grad_accum 2) finishes the stage."""
+    out = tmp_path / "zero2"
+    two = {"kind": "torchrun", "nproc": 2, "threads_per_rank": 1}
+    job = make_job(data, out, launcher=two, stop_after_steps=7)
+    text = json.loads(job.read_text())
+    text["pretrain"]["zero_stage"] = 2
+    job.write_text(json.dumps(text))
+    run_job(job, LauncherCfg(**two))
+    assert not (out / "summary.json").exists()
+
+    text["pretrain"].update(grad_accum=2, launcher={"kind": "python", "nproc": 1, "threads_per_rank": 1})
+    text["stop_after_steps"] = None
+    job.write_text(json.dumps(text))
+    lines = run_job(job)
+    assert any("converting step00000006 to a universal checkpoint" in line for line in lines), "\n".join(lines[-20:])
+    assert any("resumed s1 from checkpoint step00000006" in line for line in lines)
+    assert json.loads((out / "summary.json").read_text())["steps"] == 39

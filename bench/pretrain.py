@@ -1,0 +1,137 @@
+"""Benchmark: the trainer's tokens/s against a bare PyTorch loop on the same model and batches.
+
+Both train the tiny recipe's SmolLM3 (seq 256, micro-batch 16, fp32, 2 threads) on the same packed
+batches; the bare loop runs before and after the trainer and the ratio uses their mean (these
+machines are noisy: compare ratios from one run). MFU is against this machine's measured fp32
+matmul peak. Usage:  .venv/bin/python bench/pretrain.py [--steps 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from infra.launch import launch_command, launch_env, run_streaming  # noqa: E402
+from infra.recipe import LauncherCfg, load_recipe  # noqa: E402
+from model.data import MixtureBatches, TokenSource, plan_stage  # noqa: E402
+from model.network import build_model, flops_per_token, model_config, param_groups  # noqa: E402
+from model.train import TrainJob, lm_loss, measure_peak_flops  # noqa: E402
+from tasks.curation import tokenizer as bpe  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_data(root: Path, vocab: int, tokens: int) -> None:
+    rng = np.random.default_rng(0)
+    for name in ("prose", "code", "math"):
+        folder = root / name
+        folder.mkdir(parents=True)
+        lengths = rng.integers(50, 800, tokens // 400)
+        np.concatenate([rng.integers(0, vocab, n) for n in lengths]).astype(np.uint16).tofile(folder / f"{name}.ds")
+        np.cumsum(lengths).astype(np.uint64).tofile(folder / f"{name}.ds.index")
+        (folder / f"{name}.ds.metadata").write_text("tokenizer.json|2\n0\n0")
+
+
+def bare_loop(recipe, batches: MixtureBatches, vocab: int, steps: int, warmup: int) -> float:
+    """Tokens/s of a plain PyTorch loop: forward, loss, backward, clip, AdamW step."""
+    p = recipe.pretrain
+    model = build_model(model_config(recipe.model, vocab, p.seq_len), seed=0)
+    opt = torch.optim.AdamW(param_groups(model, p.optimizer.weight_decay), lr=p.optimizer.lr, betas=p.optimizer.betas)
+    for step in range(warmup + steps):
+        if step == warmup:
+            start = time.perf_counter()
+        for mb in batches.micro_batches(step, 0):
+            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
+            loss, _ = lm_loss(logits, mb["labels"], p.optimizer.z_loss)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), p.optimizer.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return steps * batches.samples_per_step * p.seq_len / (time.perf_counter() - start)
+
+
+def trainer(recipe, root: Path, samples: dict[str, int], steps: int, log_every: int, peak: float) -> tuple[float, dict]:
+    """Tokens/s the real trainer process logs (its first window, with start-up, left out)."""
+    p = recipe.pretrain.model_copy(
+        update={
+            "log_every": log_every,
+            "tracking": "none",
+            "checkpoint": recipe.pretrain.checkpoint.model_copy(update={"every_steps": steps}),
+        }
+    )
+    job = TrainJob(
+        run_name="bench",
+        stage_index=0,
+        seed=0,
+        model=recipe.model,
+        pretrain=p,
+        sources={n: str(root / n) for n in samples},
+        samples=samples,
+        tokenizer_dir=str(root / "tok"),
+        out_dir=str(root / "out"),
+        checkpoint_dir=str(root / "out" / "checkpoints"),
+        total_main_steps=steps,
+        peak_flops=peak,
+    )
+    (root / "out").mkdir()
+    (root / "job.json").write_text(job.model_dump_json())
+    launcher = LauncherCfg(kind="python", nproc=1, threads_per_rank=2)
+    lines: list[str] = []
+    code = run_streaming(launch_command(launcher, "model.train", [str(root / "job.json")], 29600), launch_env(launcher), lines.append)
+    if code != 0:
+        raise SystemExit("trainer failed:\n" + "\n".join(lines[-20:]))
+    rows = [json.loads(line) for line in (root / "out" / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((root / "out" / "summary.json").read_text())
+    return float(np.mean([r["tokens_per_s"] for r in rows[1:]])), summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    recipe = load_recipe(REPO / "configs" / "tiny.yaml")
+    p = recipe.pretrain
+    per_step = p.micro_batch_size * p.grad_accum
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        texts = (f"token{i} " * 3 for i in range(20000))
+        vocab = len(bpe.save_hf(bpe.train_bpe(texts, vocab_size=4096, min_frequency=1), root / "tok"))
+        make_data(root, vocab, tokens=per_step * p.seq_len * (args.steps + 10))
+        samples = {
+            "prose": per_step * (args.steps + 10) // 3,
+            "code": per_step * (args.steps + 10) // 3,
+            "math": per_step * (args.steps + 10) // 3,
+        }
+        sources = [TokenSource(root / n) for n in samples]
+        batches = MixtureBatches(sources, plan_stage(list(samples.values()), 0, 0), p.seq_len, p.micro_batch_size, p.grad_accum, 1)
+        steps = batches.steps - 5
+        peak = measure_peak_flops(seconds=2.0)
+        bare_before = bare_loop(recipe, batches, vocab, steps // 2, warmup=3)
+        ours, summary = trainer(recipe, root, samples, batches.steps, max(1, steps // 6), peak)
+        bare_after = bare_loop(recipe, batches, vocab, steps // 2, warmup=3)
+        bare = (bare_before + bare_after) / 2
+        fpt = flops_per_token(model_config(recipe.model, vocab, p.seq_len), p.seq_len)
+    print(f"model: tiny recipe SmolLM3, seq {p.seq_len}, micro-batch {p.micro_batch_size}, fp32, 2 threads")
+    print(f"measured fp32 matmul peak: {peak / 1e9:.0f} GFLOP/s")
+    print(f"{'':24}{'tokens/s':>10}{'MFU':>8}")
+    print(f"{'bare PyTorch loop':24}{bare:10,.0f}{bare * fpt / peak:8.1%}   (before {bare_before:,.0f}, after {bare_after:,.0f})")
+    print(f"{'smolflow trainer':24}{ours:10,.0f}{ours * fpt / peak:8.1%}")
+    print(f"ratio trainer / bare: {ours / bare:.3f}x")
+    print(
+        f"checkpoint save (DeepSpeed shards + HF export, fsync, rename): {summary['checkpoint_seconds']:.2f} s "
+        f"= {summary['checkpoint_seconds'] * ours / (per_step * p.seq_len):.1f} training steps"
+    )
+
+
+if __name__ == "__main__":
+    main()
