@@ -13,7 +13,7 @@ from pathlib import Path
 from prefect.artifacts import create_table_artifact
 
 from infra.errors import SmolflowError
-from infra.launch import launch_command, launch_env, run_streaming
+from infra.launch import free_port, launch_command, launch_env, run_streaming
 from infra.recipe import PretrainCfg, Recipe
 from infra.steps import RunContext, StepOutput, building_step_id
 from model.train import TrainJob
@@ -113,7 +113,7 @@ def train_stage(
         )
         job_path = out / "job.json"
         job_path.write_text(job.model_dump_json(indent=2))
-        command = launch_command(p.launcher, "model.train", [str(job_path)], port=29500 + index)
+        command = launch_command(p.launcher, "model.train", [str(job_path)], port=free_port())
         log.info("pretrain %s: %s", stage.name, " ".join(command))
         code = run_streaming(command, launch_env(p.launcher, trainer_env(ctx)), log.info)
         if code != 0:

@@ -149,7 +149,7 @@ def test_mixture_counts_match_weights():
 
 
 def test_repeating_a_small_source_warns_then_fails():
-    recipe = parse_recipe(micro_recipe(), "micro")
+    recipe = parse_recipe(micro_recipe(**{"pretrain.stages.0.tokens": 2000}), "micro")
     # math draws 200 + 600 + 800 + 200 tokens over the four stages
     manifest = resolve_mixtures(recipe.pretrain, {"prose": 10_000, "code": 10_000, "math": 600})
     assert manifest["warnings"] == [

@@ -236,3 +236,18 @@ def test_resume_on_fewer_ranks_goes_through_a_universal_checkpoint(data, tmp_pat
     assert any("converting step00000006 to a universal checkpoint" in line for line in lines), "\n".join(lines[-20:])
     assert any("resumed s1 from checkpoint step00000006" in line for line in lines)
     assert json.loads((out / "summary.json").read_text())["steps"] == 39
+
+
+@pytest.mark.parametrize("policy", ["skip", "rollback"])
+def test_loss_spike_policies(data, tmp_path, policy):
+    """A hair-trigger spike factor makes ordinary noise count as spikes: each policy acts and the stage finishes."""
+    job = make_job(data, tmp_path / policy)
+    text = json.loads(job.read_text())
+    text["pretrain"]["spike"] = {"policy": policy, "factor": 1.02, "warmup_steps": 6}
+    text["pretrain"]["optimizer"]["lr"] = 5e-2  # a high learning rate makes the loss jumpy
+    job.write_text(json.dumps(text))
+    lines = run_job(job)
+    assert any("loss spike at step" in line for line in lines)
+    if policy == "rollback":
+        assert any("rolled back to step" in line for line in lines)
+    assert json.loads((tmp_path / policy / "summary.json").read_text())["steps"] == 78
