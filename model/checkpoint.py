@@ -28,6 +28,21 @@ LATEST = "latest.json"
 log = logging.getLogger(__name__)
 
 
+def weights_only_engine(engine) -> None:
+    """Make DeepSpeed load checkpoint files with `torch.load(weights_only=True)`: tensors and plain
+    containers only, never arbitrary pickled objects (its own engine loads with weights_only=False)."""
+    import torch
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    if not isinstance(engine.checkpoint_engine, TorchCheckpointEngine):
+        raise TypeError(f"expected DeepSpeed's torch checkpoint engine, got {type(engine.checkpoint_engine).__name__}")
+
+    def load(path: str, map_location=None):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+    engine.checkpoint_engine.load = load
+
+
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
 

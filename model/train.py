@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from infra.recipe import ModelCfg, PretrainCfg, S3Cfg
 from infra.storage import Mirror
-from model.checkpoint import MARKER, CheckpointStore, tag_for
+from model.checkpoint import MARKER, CheckpointStore, tag_for, weights_only_engine
 from model.data import IGNORE, MixtureBatches, TokenSource, plan_stage
 from model.network import build_model, flops_per_token, long_context_config, model_config, param_groups, with_yarn
 
@@ -254,6 +254,7 @@ def train(job: TrainJob) -> dict[str, Any]:
     )
     config = ds_config(job, micro_batch) | ({"checkpoint": {"load_universal": True}} if universal else {})
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    weights_only_engine(engine)
     if world == 1 and p.zero_stage == 0:
         # one rank: the gradient all-reduce is a copy for nothing (ZeRO still needs it: it partitions there)
         engine.enable_backward_allreduce = False
@@ -431,8 +432,13 @@ def export_final(engine, tokenizer, out: Path, job: TrainJob) -> None:
 
 
 def main() -> None:
-    job = TrainJob.model_validate_json(Path(sys.argv[1]).read_text())
-    train(job)
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Train one pretraining stage (a job file written by smolflow).")
+    parser.add_argument("job", type=Path, help="the stage's job.json")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher (LOCAL_RANK is used)")
+    args = parser.parse_args()
+    train(TrainJob.model_validate_json(args.job.read_text()))
 
 
 if __name__ == "__main__":

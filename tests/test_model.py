@@ -184,3 +184,24 @@ def test_slurm_script_requeues_and_launches_every_node(tmp_path):
     launch = next(line for line in script.splitlines() if "--module model.train" in line)
     assert '--hostfile "$HOSTFILE" --num_gpus 8 --num_nodes 48' in launch and launch.endswith("job.json &")
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid bash
+
+
+class Payload:
+    """Stands for an arbitrary object someone pickled into a checkpoint file."""
+
+
+def test_checkpoint_files_load_weights_only(tmp_path):
+    import pickle
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from model.checkpoint import weights_only_engine
+
+    engine = SimpleNamespace(checkpoint_engine=TorchCheckpointEngine())
+    weights_only_engine(engine)
+    torch.save({"module": {"w": torch.ones(2)}, "step": 3}, tmp_path / "ok.pt")
+    assert engine.checkpoint_engine.load(str(tmp_path / "ok.pt"))["step"] == 3
+    torch.save({"module": {}, "extra": Payload()}, tmp_path / "evil.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        engine.checkpoint_engine.load(str(tmp_path / "evil.pt"))

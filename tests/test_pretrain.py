@@ -251,3 +251,11 @@ def test_loss_spike_policies(data, tmp_path, policy):
     if policy == "rollback":
         assert any("rolled back to step" in line for line in lines)
     assert json.loads((tmp_path / policy / "summary.json").read_text())["steps"] == 78
+
+
+def test_deepspeed_launcher_runs_two_ranks_on_cpu(data, tmp_path):
+    launcher = {"kind": "deepspeed", "nproc": 2, "threads_per_rank": 1}
+    job = make_job(data, tmp_path / "ds", launcher=launcher, stop_after_steps=4)
+    lines = run_job(job, LauncherCfg(**launcher))
+    assert any("2 rank(s)" in line for line in lines), "\n".join(lines[-20:])
+    assert sorted(losses(tmp_path / "ds")) == [1, 2, 3, 4]
