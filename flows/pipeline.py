@@ -5,10 +5,18 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.curate import curate_flow
+from flows.postrain import apo_flow, grpo_flow, preference_flow, sft_flow
 from flows.pretrain import pretrain_flow
 
 # Stage name -> its flow; `smolflow stage NAME` runs one of them on its own.
-STAGES = {"curate": curate_flow, "pretrain": pretrain_flow}
+STAGES = {
+    "curate": curate_flow,
+    "pretrain": pretrain_flow,
+    "sft": sft_flow,
+    "preference": preference_flow,
+    "apo": apo_flow,
+    "grpo": grpo_flow,
+}
 
 
 @flow(name="full-pipeline")

@@ -114,7 +114,7 @@ def run(recipe: RecipeArg, run_dir: RunDirOpt = None, set_: SetOpt = None) -> No
 
 @app.command()
 def stage(
-    name: Annotated[str, typer.Argument(help="Stage to run: curate, pretrain.", show_default=False)],
+    name: Annotated[str, typer.Argument(help="Stage to run: curate, pretrain, sft, preference, apo, grpo.", show_default=False)],
     recipe: RecipeArg,
     run_dir: RunDirOpt = None,
     set_: SetOpt = None,

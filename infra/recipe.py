@@ -379,6 +379,102 @@ class PretrainCfg(Strict):
         return stage.micro_batch_size or self.micro_batch_size
 
 
+class HubChatCfg(Strict):
+    """A conversational dataset with a `messages` column: a hub id or a local JSON/Parquet copy."""
+
+    path: str
+    split: str = "train"
+    limit: int | None = Field(None, gt=0)
+
+
+class ChatDataCfg(Strict):
+    generated: int = Field(4000, ge=0, description="examples generated offline (tasks of postrain/data.py)")
+    families: dict[str, float] = {"arithmetic": 0.4, "word_problem": 0.4, "reverse_word": 0.1, "count_letters": 0.1}
+    max_value: int = Field(49, gt=0)
+    heldout: int = Field(200, gt=0)
+    hub: list[HubChatCfg] = []
+    dedup_threshold: float = Field(0.9, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _families(self) -> ChatDataCfg:
+        from postrain.data import FAMILIES
+
+        unknown = sorted(set(self.families) - set(FAMILIES))
+        if unknown:
+            raise ValueError(f"unknown family {unknown[0]!r}; families: {', '.join(FAMILIES)}")
+        return self
+
+
+class TrainerCfg(Strict):
+    """What TRL's trainers share: steps, batch, learning rate, checkpoints."""
+
+    learning_rate: float = Field(gt=0)
+    max_steps: int = Field(gt=0)
+    batch_size: int = Field(16, gt=0)
+    grad_accum: int = Field(1, gt=0)
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    save_steps: int = Field(100, gt=0)
+    logging_steps: int = Field(10, gt=0)
+    max_length: int = Field(256, gt=0)
+
+
+class SFTCfg(TrainerCfg):
+    packing: bool = Field(False, description="TRL padding-free packing (no cross-example attention)")
+    weak_checkpoint_step: int = Field(50, gt=0, description="an early copy kept as the weak model for preference pairs")
+
+    @model_validator(mode="after")
+    def _weak_in_range(self) -> SFTCfg:
+        if self.weak_checkpoint_step > self.max_steps:
+            raise ValueError(f"weak_checkpoint_step {self.weak_checkpoint_step} is past max_steps {self.max_steps}")
+        return self
+
+
+class PreferenceCfg(Strict):
+    backend: Literal["auto", "vllm", "transformers"] = "auto"
+    strong: str | None = Field(None, description="model path; default: the SFT model")
+    weak: str | None = Field(None, description="model path; default: the early SFT checkpoint")
+    prompts: int = Field(1000, gt=0)
+    max_new_tokens: int = Field(64, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    batch_size: int = Field(64, gt=0)
+    dedup_threshold: float = Field(0.9, gt=0, le=1)
+
+
+class APOCfg(TrainerCfg):
+    beta: float = Field(0.05, gt=0)
+    loss_type: list[str] = ["apo_zero"]
+
+
+class GRPOCfg(TrainerCfg):
+    num_generations: int = Field(8, gt=1)
+    max_completion_length: int = Field(64, gt=0)
+    loss_type: str = "dapo"
+    temperature: float = Field(1.0, gt=0)
+    target_length: int | None = Field(None, gt=0, description="tokens; longer answers are penalised linearly")
+    soft_overlong: tuple[int, int] | None = Field(None, description="(max_completion_len, soft_cache_len) for TRL's punishment")
+    reward_weights: dict[str, float] = {"correctness": 1.0, "length": 0.5}
+    prompts: int = Field(1000, gt=0)
+
+    @model_validator(mode="after")
+    def _grpo(self) -> GRPOCfg:
+        if (self.batch_size * self.grad_accum) % self.num_generations:
+            raise ValueError("batch_size x grad_accum must be a multiple of num_generations (whole groups)")
+        unknown = sorted(set(self.reward_weights) - {"correctness", "length"})
+        if unknown:
+            raise ValueError(f"unknown reward {unknown[0]!r}; rewards: correctness, length")
+        return self
+
+
+class PostrainCfg(Strict):
+    """SFT -> preference pairs (strong vs weak) -> APO -> GRPO, each with TRL (postrain/)."""
+
+    data: ChatDataCfg = ChatDataCfg()
+    sft: SFTCfg
+    preference: PreferenceCfg = PreferenceCfg()
+    apo: APOCfg
+    grpo: GRPOCfg
+
+
 class Recipe(Strict):
     name: Name
     seed: int = 0
@@ -389,6 +485,7 @@ class Recipe(Strict):
     curate: CurateCfg
     model: ModelCfg
     pretrain: PretrainCfg
+    postrain: PostrainCfg
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Recipe:

@@ -1,0 +1,38 @@
+"""APO (anchored preference optimisation) with TRL's DPOTrainer: `loss_type=["apo_zero"]`.
+
+Reference log-probs are computed once before training (`precompute_ref_log_probs=True`), so no
+second copy of the model sits in memory. On tiny data `["apo_zero", "sft"]` keeps the chosen
+log-prob rising where plain `apo_zero` pushes both sides down.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import DPOConfig, DPOTrainer
+
+from infra.recipe import APOCfg
+from postrain.common import last_complete_checkpoint, loss_history, save_final, trl_args
+
+
+def run_apo(model_path: str, pairs: list[dict[str, Any]], cfg: APOCfg, out: Path, seed: int) -> dict[str, Any]:
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    args = trl_args(
+        DPOConfig, cfg, out, seed, loss_type=list(cfg.loss_type), beta=cfg.beta, precompute_ref_log_probs=True, max_length=cfg.max_length
+    )
+    dataset = Dataset.from_list([{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in pairs])
+    trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    resume = last_complete_checkpoint(out / "checkpoints")
+    trainer.train(resume_from_checkpoint=resume)
+    save_final(trainer.model, tokenizer, out / "final")
+    history = trainer.state.log_history
+    return {
+        "resumed_from": resume,
+        "loss": loss_history(history),
+        "chosen_logps": loss_history(history, "logps/chosen"),
+        "rejected_logps": loss_history(history, "logps/rejected"),
+    }

@@ -1,0 +1,87 @@
+"""GRPO with TRL: a verifiable correctness reward plus a length penalty, combined by `reward_weights`.
+
+The length penalty is a linear one past a target length (the playbook aimed at ~2k tokens of
+reasoning, penalising from ~2.5-3k) and/or TRL's soft overlong punishment (DAPO). On GPU the
+rollouts come from vLLM in colocate mode; on CPU from transformers' generate. GRPO needs a policy
+that already solves some prompts: a group whose answers are all wrong carries no signal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer
+from trl.rewards import get_soft_overlong_punishment
+
+from infra.recipe import GRPOCfg
+from postrain.common import last_complete_checkpoint, loss_history, save_final, trl_args
+from postrain.data import is_correct
+from postrain.generation import vllm_usable
+
+
+def _text(completion: Any) -> str:
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def correctness(completions: list, answer: list[str], **_: Any) -> list[float]:
+    """1 when the completion's final answer matches the reference, else 0."""
+    return [1.0 if is_correct(_text(c), a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def length_penalty(target: int) -> Callable[..., list[float]]:
+    """0 up to `target` tokens, then -1 per further `target` tokens (linear)."""
+
+    def length(completion_ids: list[list[int]], **_: Any) -> list[float]:
+        return [-max(0, len(ids) - target) / target for ids in completion_ids]
+
+    return length
+
+
+def reward_functions(cfg: GRPOCfg) -> tuple[list[Callable], list[float]]:
+    funcs, weights = [], []
+    if "correctness" in cfg.reward_weights:
+        funcs.append(correctness)
+        weights.append(cfg.reward_weights["correctness"])
+    if "length" in cfg.reward_weights:
+        if cfg.target_length:
+            funcs.append(length_penalty(cfg.target_length))
+            weights.append(cfg.reward_weights["length"])
+        if cfg.soft_overlong:
+            funcs.append(get_soft_overlong_punishment(*cfg.soft_overlong))
+            weights.append(cfg.reward_weights["length"])
+    return funcs, weights
+
+
+def run_grpo(model_path: str, items: list[dict[str, Any]], cfg: GRPOCfg, out: Path, seed: int) -> dict[str, Any]:
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    funcs, weights = reward_functions(cfg)
+    vllm = vllm_usable()
+    args = trl_args(
+        GRPOConfig,
+        cfg,
+        out,
+        seed,
+        num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length,
+        loss_type=cfg.loss_type,
+        temperature=cfg.temperature,
+        reward_weights=weights,
+        use_vllm=vllm,
+        **({"vllm_mode": "colocate"} if vllm else {}),
+    )
+    dataset = Dataset.from_list([{"prompt": i["prompt"], "answer": i["answer"]} for i in items])
+    trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=dataset, processing_class=tokenizer)
+    resume = last_complete_checkpoint(out / "checkpoints")
+    trainer.train(resume_from_checkpoint=resume)
+    save_final(trainer.model, tokenizer, out / "final")
+    history = trainer.state.log_history
+    return {
+        "resumed_from": resume,
+        "reward": loss_history(history, "reward"),
+        "completion_length": loss_history(history, "completions/mean_length"),
+    }

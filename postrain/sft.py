@@ -1,0 +1,49 @@
+"""Supervised fine-tuning with TRL's SFTTrainer, the loss on assistant tokens only.
+
+The chat template marks assistant turns (and the newline after `<|im_end|>`) with `{% generation %}`,
+so `assistant_only_loss=True` trains exactly the answers. An early copy of the model is kept as
+the weak side of the preference pairs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import SFTConfig, SFTTrainer
+
+from infra.recipe import SFTCfg
+from postrain.common import last_complete_checkpoint, loss_history, save_final, trl_args
+
+
+class KeepEarlyCopy(TrainerCallback):
+    """Saves the model once, at `step`, as a weak model for preference pairs."""
+
+    def __init__(self, step: int, path: Path, tokenizer):
+        self.step, self.path, self.tokenizer = step, path, tokenizer
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step and not (self.path / "config.json").exists():
+            save_final(model, self.tokenizer, self.path)
+
+
+def build_trainer(model_path: str, train: list[dict[str, Any]], cfg: SFTCfg, out: Path, seed: int) -> SFTTrainer:
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    args = trl_args(
+        SFTConfig, cfg, out, seed, assistant_only_loss=True, packing=cfg.packing, padding_free=cfg.packing, max_length=cfg.max_length
+    )
+    dataset = Dataset.from_list([{"messages": row["messages"]} for row in train])
+    callbacks = [KeepEarlyCopy(cfg.weak_checkpoint_step, out / "weak", tokenizer)]
+    return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=callbacks)
+
+
+def run_sft(model_path: str, train: list[dict[str, Any]], cfg: SFTCfg, out: Path, seed: int) -> dict[str, Any]:
+    """Train (resuming from the newest complete checkpoint in `out`), save `out/final` and `out/weak`."""
+    trainer = build_trainer(model_path, train, cfg, out, seed)
+    resume = last_complete_checkpoint(out / "checkpoints")
+    trainer.train(resume_from_checkpoint=resume)
+    save_final(trainer.model, trainer.processing_class, out / "final")
+    return {"resumed_from": resume, "loss": loss_history(trainer.state.log_history)}

@@ -1,0 +1,222 @@
+"""Post-training with real TRL trainers on a tiny model: label masks, pairs, APO, GRPO, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.recipe import APOCfg, GRPOCfg, ModelCfg, SFTCfg
+from model.network import build_model, model_config
+from postrain import data as chat
+from postrain.generation import TransformersBackend
+from postrain.preference import answers, build_pairs
+from tasks.curation import tokenizer as bpe
+
+TINY = ModelCfg(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A randomly initialised SmolLM3 with the project's tokenizer and chat template, saved in HF format."""
+    root = tmp_path_factory.mktemp("base")
+    texts = [m["content"] for item in chat.generate(2000, chat_families(), 49, 0) for m in item["messages"]]
+    tok = bpe.save_hf(bpe.train_bpe(iter(texts * 3), vocab_size=400, min_frequency=2), root)
+    special = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    build_model(model_config(TINY, len(tok), 256, special_ids=special), seed=0).save_pretrained(root)
+    return root
+
+
+def chat_families() -> dict[str, float]:
+    return {"arithmetic": 0.5, "word_problem": 0.3, "reverse_word": 0.1, "count_letters": 0.1}
+
+
+def test_sft_batches_train_assistant_tokens_only(base, tmp_path):
+    from postrain.sft import build_trainer
+
+    rows = [
+        {"messages": [{"role": "system", "content": "You are terse."}, *item["messages"]]}
+        for item in chat.generate(8, chat_families(), 49, 1)
+    ]
+    cfg = SFTCfg(learning_rate=1e-3, max_steps=1, batch_size=4, weak_checkpoint_step=1)
+    trainer = build_trainer(str(base), rows, cfg, tmp_path, seed=0)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    tok = trainer.processing_class
+    for ids, labels, row in zip(batch["input_ids"], batch["labels"], rows):
+        trained = tok.decode(ids[labels != -100])
+        assert trained == row["messages"][-1]["content"] + "<|im_end|>\n"
+        untrained = tok.decode(ids[(labels == -100) & (ids != tok.pad_token_id)])
+        assert "You are terse." in untrained and row["messages"][1]["content"] in untrained
+
+
+def test_answers_are_extracted_and_verified():
+    assert chat.extract_answer("12 + 5 = 17. The answer is 17.") == "17"
+    assert chat.extract_answer("'cat' backwards is 'tac'. The answer is tac.") == "tac"
+    assert chat.is_correct("so 9 - 4 = 5. The answer is 5 apples.", "5")
+    assert not chat.is_correct("I think it is 6", "6")
+
+
+def test_prompts_are_deduplicated_and_decontaminated():
+    items = [
+        chat.example(q, "a. The answer is 1.", "1", "x")
+        for q in ("What is 12 + 30?", "What is 12 + 30?", "What is 40 - 7?", "Reverse the word 'print'.")
+    ]
+    kept, counts = chat.dedup_and_decontaminate(items, ["What is 40 - 7?"], threshold=0.9)
+    assert [k["prompt"][0]["content"] for k in kept] == ["What is 12 + 30?", "Reverse the word 'print'."]
+    assert counts == {"duplicates": 1, "contaminated": 1}
+
+
+def test_preference_pairs_with_the_transformers_backend(base):
+    items = chat.generate(6, {"arithmetic": 1.0}, 49, 2)
+    backend = lambda path: TransformersBackend(path, batch_size=4)  # noqa: E731
+    generated = answers(backend, str(base), [i["prompt"] for i in items], max_new_tokens=6, temperature=0.0)
+    assert len(generated) == 6 and all(isinstance(g, str) for g in generated)
+    strong = [i["messages"][1]["content"] for i in items]  # right answers
+    weak = [generated[0], generated[1], strong[2], "nonsense", "The answer is -1.", "The answer is -1."]
+    strong[3] = "The answer is 100000."  # wrong: never taught as chosen
+    pairs, stats = build_pairs(items, strong, weak, dedup_threshold=0.9)
+    assert stats["dropped"]["equal answers"] == 1 and stats["dropped"]["chosen answer wrong"] == 1
+    assert len(pairs) == 4 and stats["pairs"] == 4
+    assert all(p["chosen"][0]["role"] == "assistant" and p["prompt"][0]["role"] == "user" for p in pairs)
+    assert stats["strong_accuracy"] == pytest.approx(5 / 6)
+
+
+def test_vllm_request_building():
+    pytest.importorskip("vllm")
+    from postrain.generation import vllm_request
+
+    conversations = [[{"role": "user", "content": "What is 2 + 2?"}]]
+    messages, params = vllm_request(conversations, max_new_tokens=16, temperature=0.0, stop_ids=[5, 6])
+    assert messages == conversations and params.max_tokens == 16 and params.stop_token_ids == [5, 6]
+
+
+@pytest.fixture(scope="module")
+def sft_model(base, tmp_path_factory) -> Path:
+    """The tiny base briefly fine-tuned, with its early copy kept as the weak model."""
+    from postrain.sft import run_sft
+
+    out = tmp_path_factory.mktemp("sft")
+    cfg = SFTCfg(learning_rate=3e-3, max_steps=30, batch_size=16, save_steps=10, logging_steps=5, weak_checkpoint_step=5, max_length=96)
+    result = run_sft(str(base), chat.generate(600, chat_families(), 49, 3), cfg, out, seed=0)
+    assert result["loss"][-1][1] < result["loss"][0][1]
+    assert (out / "weak" / "config.json").exists() and (out / "final" / "model.safetensors").exists()
+    return out
+
+
+@pytest.mark.slow
+def test_apo_runs_with_finite_losses(sft_model, tmp_path):
+    from postrain.apo import run_apo
+
+    items = chat.generate(24, {"arithmetic": 1.0}, 49, 4)
+    pairs = [
+        {
+            "prompt": i["prompt"],
+            "chosen": [{"role": "assistant", "content": i["messages"][1]["content"]}],
+            "rejected": [{"role": "assistant", "content": "The answer is 0."}],
+        }
+        for i in items
+    ]
+    cfg = APOCfg(learning_rate=1e-4, max_steps=4, batch_size=8, save_steps=2, logging_steps=1, loss_type=["apo_zero", "sft"])
+    result = run_apo(str(sft_model / "final"), pairs, cfg, tmp_path, seed=0)
+    assert len(result["loss"]) == 4 and all(math.isfinite(v) for _, v in result["loss"])
+    assert (tmp_path / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_grpo_runs_with_finite_rewards(sft_model, tmp_path):
+    from postrain.grpo import run_grpo
+
+    items = chat.generate(16, {"arithmetic": 1.0}, 49, 5)
+    cfg = GRPOCfg(
+        learning_rate=1e-5,
+        max_steps=2,
+        batch_size=8,
+        num_generations=4,
+        max_completion_length=16,
+        target_length=8,
+        save_steps=1,
+        logging_steps=1,
+    )
+    result = run_grpo(str(sft_model / "final"), items, cfg, tmp_path, seed=0)
+    assert len(result["reward"]) == 2 and all(math.isfinite(v) for _, v in result["reward"])
+
+
+@pytest.mark.slow
+def test_length_penalty_shortens_a_rambling_model(base, tmp_path):
+    """From a model taught to pad answers with 0-12 filler words, GRPO with the length reward alone shortens them."""
+    import random
+
+    from postrain.grpo import run_grpo
+    from postrain.sft import run_sft
+
+    rng = random.Random(0)
+    rows = []
+    for item in chat.generate(800, {"arithmetic": 1.0}, 49, 6):
+        filler = " ".join(rng.choice(["so", "well", "then", "indeed", "and"]) for _ in range(rng.randint(0, 12)))
+        rows.append(
+            chat.example(item["prompt"][0]["content"], f"{item['messages'][1]['content']} {filler}".strip(), item["answer"], "arithmetic")
+        )
+    sft_cfg = SFTCfg(
+        learning_rate=3e-3, max_steps=200, batch_size=16, save_steps=200, logging_steps=50, weak_checkpoint_step=1, max_length=96
+    )
+    run_sft(str(base), rows, sft_cfg, tmp_path / "rambler", seed=0)
+    cfg = GRPOCfg(
+        learning_rate=2e-3,
+        max_steps=16,
+        batch_size=16,
+        num_generations=8,
+        max_completion_length=64,
+        target_length=4,
+        reward_weights={"length": 1.0},
+        save_steps=100,
+        logging_steps=1,
+        temperature=1.0,
+    )
+    result = run_grpo(str(tmp_path / "rambler" / "final"), rows[:200], cfg, tmp_path / "grpo", seed=0)
+    lengths = [v for _, v in result["completion_length"]]
+    assert sum(lengths[-4:]) / 4 < sum(lengths[:4]) / 4
+
+
+SFT_SCRIPT = """
+import json, sys
+from pathlib import Path
+from infra.recipe import SFTCfg
+from postrain import data as chat
+from postrain.sft import run_sft
+cfg = SFTCfg(learning_rate=3e-3, max_steps=24, batch_size=8, save_steps=4, logging_steps=2, weak_checkpoint_step=2,
+             max_length=96)
+result = run_sft(sys.argv[1], chat.generate(400, {"arithmetic": 1.0}, 49, 7), cfg, Path(sys.argv[2]), seed=0)
+(Path(sys.argv[2]) / "result.json").write_text(json.dumps(result))
+"""
+
+
+@pytest.mark.slow
+def test_sft_resumes_after_sigkill_with_the_same_losses(base, tmp_path):
+    script = tmp_path / "sft.py"
+    script.write_text(SFT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(script), str(base), str(tmp_path / "ref")], env=env, check=True, capture_output=True)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(base), str(killed)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 300
+    while proc.poll() is None and not (killed / "checkpoints" / "checkpoint-12" / "trainer_state.json").exists():
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "result.json").exists()
+    subprocess.run([sys.executable, str(script), str(base), str(killed)], env=env, check=True, capture_output=True)
+    reference = dict(map(tuple, json.loads((tmp_path / "ref" / "result.json").read_text())["loss"]))
+    resumed = json.loads((killed / "result.json").read_text())
+    assert resumed["resumed_from"] is not None
+    after = {s: v for s, v in map(tuple, resumed["loss"])}
+    assert after and all(after[s] == pytest.approx(reference[s], rel=1e-4) for s in after)
