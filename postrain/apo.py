@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
 from infra.recipe import APOCfg
-from postrain.common import last_complete_checkpoint, loss_history, save_final, trl_args
+from postrain.common import train_and_save, trl_args
 
 
 def run_apo(model_path: str, pairs: list[dict[str, Any]], cfg: APOCfg, out: Path, seed: int) -> dict[str, Any]:
@@ -26,13 +26,4 @@ def run_apo(model_path: str, pairs: list[dict[str, Any]], cfg: APOCfg, out: Path
     )
     dataset = Dataset.from_list([{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in pairs])
     trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
-    resume = last_complete_checkpoint(out / "checkpoints")
-    trainer.train(resume_from_checkpoint=resume)
-    save_final(trainer.model, tokenizer, out / "final")
-    history = trainer.state.log_history
-    return {
-        "resumed_from": resume,
-        "loss": loss_history(history),
-        "chosen_logps": loss_history(history, "logps/chosen"),
-        "rejected_logps": loss_history(history, "logps/rejected"),
-    }
+    return train_and_save(trainer, out, {"loss": "loss", "chosen_logps": "logps/chosen", "rejected_logps": "logps/rejected"})

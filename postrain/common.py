@@ -83,5 +83,14 @@ def loss_history(log_history: list[dict[str, Any]], key: str = "loss") -> list[t
     return [(row["step"], row[key]) for row in log_history if key in row and "step" in row]
 
 
+def train_and_save(trainer, out: Path, curves: dict[str, str]) -> dict[str, Any]:
+    """Train from the newest complete checkpoint in `out` (if any), save `out/final`, return the logged curves."""
+    resume = last_complete_checkpoint(out / "checkpoints")
+    trainer.train(resume_from_checkpoint=resume)
+    save_final(trainer.model, trainer.processing_class, out / "final")
+    history = trainer.state.log_history
+    return {"resumed_from": resume, **{name: loss_history(history, key) for name, key in curves.items()}}
+
+
 def step_of(checkpoint: str) -> int:
     return int(re.search(r"checkpoint-(\d+)", checkpoint).group(1))

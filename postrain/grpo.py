@@ -18,7 +18,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.rewards import get_soft_overlong_punishment
 
 from infra.recipe import GRPOCfg
-from postrain.common import last_complete_checkpoint, loss_history, save_final, trl_args
+from postrain.common import train_and_save, trl_args
 from postrain.data import is_correct
 from postrain.generation import vllm_usable
 
@@ -76,12 +76,4 @@ def run_grpo(model_path: str, items: list[dict[str, Any]], cfg: GRPOCfg, out: Pa
     )
     dataset = Dataset.from_list([{"prompt": i["prompt"], "answer": i["answer"]} for i in items])
     trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=dataset, processing_class=tokenizer)
-    resume = last_complete_checkpoint(out / "checkpoints")
-    trainer.train(resume_from_checkpoint=resume)
-    save_final(trainer.model, tokenizer, out / "final")
-    history = trainer.state.log_history
-    return {
-        "resumed_from": resume,
-        "reward": loss_history(history, "reward"),
-        "completion_length": loss_history(history, "completions/mean_length"),
-    }
+    return train_and_save(trainer, out, {"reward": "reward", "completion_length": "completions/mean_length"})

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
 from infra.recipe import SFTCfg
-from postrain.common import last_complete_checkpoint, loss_history, save_final, trl_args
+from postrain.common import save_final, train_and_save, trl_args
 
 
 class KeepEarlyCopy(TrainerCallback):
@@ -42,8 +42,4 @@ def build_trainer(model_path: str, train: list[dict[str, Any]], cfg: SFTCfg, out
 
 def run_sft(model_path: str, train: list[dict[str, Any]], cfg: SFTCfg, out: Path, seed: int) -> dict[str, Any]:
     """Train (resuming from the newest complete checkpoint in `out`), save `out/final` and `out/weak`."""
-    trainer = build_trainer(model_path, train, cfg, out, seed)
-    resume = last_complete_checkpoint(out / "checkpoints")
-    trainer.train(resume_from_checkpoint=resume)
-    save_final(trainer.model, trainer.processing_class, out / "final")
-    return {"resumed_from": resume, "loss": loss_history(trainer.state.log_history)}
+    return train_and_save(build_trainer(model_path, train, cfg, out, seed), out, {"loss": "loss"})

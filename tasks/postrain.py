@@ -97,7 +97,8 @@ def preference(ctx: RunContext, data: StepOutput, sft_out: StepOutput) -> StepOu
         chat.write_jsonl(out / "pairs.jsonl", pairs)
         return stats
 
-    out = ctx.step("preference", cfg.model_dump() | {"strong": strong, "weak": weak}, {"data": data, "sft": sft_out}, build)
+    # unset strong/weak mean the SFT model and its early copy, which `sft` (an input) already identifies
+    out = ctx.step("preference", cfg.model_dump(), {"data": data, "sft": sft_out}, build)
     run_logger().info("preference pairs: %s", out.summary)
     return out
 
