@@ -20,6 +20,10 @@ STAGES = {
 
 
 @flow(name="full-pipeline")
-def full_pipeline(recipe: str, run_dir: str | None = None, overrides: list[str] | None = None) -> dict[str, str]:
-    """Run every stage of RECIPE in order; returns each stage's result (e.g. its report path)."""
-    return {name: stage(recipe, run_dir, overrides) for name, stage in STAGES.items()}
+def full_pipeline(recipe: str, run_dir: str | None = None, overrides: list[str] | None = None, until: str | None = None) -> dict[str, str]:
+    """Run the stages of RECIPE in order, up to and including `until` (default: all); returns each stage's result."""
+    names = list(STAGES)
+    if until is not None and until not in STAGES:
+        raise ValueError(f"unknown stage {until!r}; stages: {', '.join(names)}")
+    last = names.index(until) if until else len(names) - 1
+    return {name: STAGES[name](recipe, run_dir, overrides) for name in names[: last + 1]}

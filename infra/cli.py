@@ -105,11 +105,21 @@ def _run_flow(flow_fn, recipe: Path, run_dir: str | None, overrides: list[str]) 
 
 
 @app.command()
-def run(recipe: RecipeArg, run_dir: RunDirOpt = None, set_: SetOpt = None) -> None:
+def run(
+    recipe: RecipeArg,
+    run_dir: RunDirOpt = None,
+    set_: SetOpt = None,
+    until: Annotated[str | None, typer.Option(help="Stop after this stage, e.g. pretrain.")] = None,
+) -> None:
     """Run the full pipeline as one Prefect flow run; finished steps of the run dir are skipped."""
-    from flows.pipeline import full_pipeline
+    from functools import partial
 
-    _run_flow(full_pipeline, recipe, run_dir, set_ or [])
+    from flows.pipeline import STAGES, full_pipeline
+
+    if until is not None and until not in STAGES:
+        typer.secho(f"error: unknown stage {until!r}; stages: {', '.join(STAGES)}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    _run_flow(partial(full_pipeline, until=until), recipe, run_dir, set_ or [])
 
 
 @app.command()

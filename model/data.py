@@ -105,3 +105,9 @@ class MixtureBatches:
         labels = input_ids.clone()
         labels[position_ids == 0] = IGNORE  # a document's first token is not predicted from the one before
         return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+
+
+def flatten(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The micro-batch as one row. flash-attention-2 reads document boundaries from position ids
+    only for a flattened batch of one; every row starts at position 0, so rows stay apart too."""
+    return {key: value.reshape(1, -1) for key, value in batch.items()}

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from infra.recipe import ModelCfg, PretrainCfg, S3Cfg
 from infra.storage import Mirror
 from model.checkpoint import MARKER, CheckpointStore, tag_for, weights_only_engine
-from model.data import IGNORE, MixtureBatches, TokenSource, plan_stage
+from model.data import IGNORE, MixtureBatches, TokenSource, flatten, plan_stage
 from model.network import build_model, flops_per_token, long_context_config, model_config, param_groups, with_yarn
 
 
@@ -275,6 +275,7 @@ def train(job: TrainJob) -> dict[str, Any]:
         engine.load_checkpoint(str(load_from[0]), tag=load_from[1], load_optimizer_states=True)
         say(f"{stage.name}: continuing from {job.init_from}/{init_tag} (weights and optimizer state)")
 
+    flash_attention = engine.module.config._attn_implementation == "flash_attention_2"
     fpt = flops_per_token(engine.module.config, seq_len)
     peak = job.peak_flops or measure_peak_flops()
     tracker = Tracker(job, rank, {"stage": stage.name, **job.pretrain.model_dump(exclude={"stages"})})
@@ -297,6 +298,8 @@ def train(job: TrainJob) -> dict[str, Any]:
             group["lr"] = lr
         step_loss, spiked = 0.0, False
         for batch in data.micro_batches(step, rank):
+            if flash_attention:
+                batch = flatten(batch)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=p.precision == "bf16" and not torch.cuda.is_available()):
                 logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
             loss, ce = lm_loss(logits, batch["labels"], p.optimizer.z_loss)

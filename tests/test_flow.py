@@ -149,7 +149,8 @@ def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_ser
     from flows.pipeline import full_pipeline
 
     recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe(**{"pretrain.tracking": "trackio"}))
-    result = full_pipeline(str(recipe), str(tmp_path / "run"))
+    result = full_pipeline(str(recipe), str(tmp_path / "run"), until="pretrain")
+    assert list(result) == ["curate", "pretrain"]
     assert result["curate"].endswith("curate.md")
     final = Path(result["pretrain"])
     model = AutoModelForCausalLM.from_pretrained(final)
@@ -165,6 +166,24 @@ def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_ser
         for ckpt in (tmp_path / "run" / f"pretrain_{stage}" / "checkpoints").glob("step*"):
             AutoModelForCausalLM.from_pretrained(ckpt / "hf")  # every kept checkpoint is a loadable HF model
     assert (tmp_path / "run" / "trackio").is_dir()
+
+    # post-training starts from there: chat data and SFT through their own flow
+    from flows.postrain import sft_flow
+
+    sft_final = sft_flow(
+        str(recipe),
+        str(tmp_path / "run"),
+        [
+            "postrain.sft.max_steps=20",
+            "postrain.sft.weak_checkpoint_step=5",
+            "postrain.sft.logging_steps=5",
+            "postrain.data.generated=300",
+            "postrain.data.heldout=20",
+        ],
+    )
+    summary = json.loads((tmp_path / "run" / "sft" / "manifest.json").read_text())["summary"]
+    assert Path(sft_final).name == "final" and summary["loss"] and 0 <= summary["eval"]["accuracy"] <= 1
+    assert (tmp_path / "run" / "sft" / "weak" / "model.safetensors").exists()
 
 
 def test_stage_on_an_empty_run_dir_says_what_to_run_first(tmp_path):

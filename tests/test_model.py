@@ -64,6 +64,22 @@ def test_packed_documents_do_not_see_each_other(tmp_path):
     assert not torch.allclose(crossed[others], outs[1][others], atol=1e-3)
 
 
+def test_flattened_micro_batch_keeps_rows_apart(tmp_path):
+    """The flash-attention-2 layout (one row, positions restarting) gives the same logits as the batch."""
+    from model.data import flatten
+
+    rng = np.random.default_rng(1)
+    source = TokenSource(write_source(tmp_path / "s", [list(rng.integers(0, 300, n)) for n in (20, 35, 9, 30, 26)]))
+    batch = MixtureBatches.collate([source.window(i, 40) for i in range(3)])
+    flat = flatten(batch)
+    assert flat["input_ids"].shape == (1, 120) and flat["position_ids"][0, 40] == 0
+    model = build_model(model_config(TINY, 300, 128), seed=0).eval()
+    with torch.no_grad():
+        rows = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        joined = model(input_ids=flat["input_ids"], position_ids=flat["position_ids"]).logits
+    assert torch.allclose(rows.reshape(1, 120, -1), joined, atol=1e-5)
+
+
 def test_batches_are_a_pure_function_of_the_step_and_follow_the_mixture(tmp_path):
     sources = [TokenSource(write_source(tmp_path / n, [list(range(k, k + 50))] * 4)) for n, k in (("a", 0), ("b", 100))]
     plan_ = plan_stage([30, 10], seed=3, stage_index=1)
