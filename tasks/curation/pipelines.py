@@ -102,8 +102,13 @@ def count_docs(data_dir: Path) -> dict[str, int]:
     """Documents per source in a step's `data/SOURCE/*.jsonl.gz` files."""
     counts: dict[str, int] = {}
     for source_dir in sorted(p for p in data_dir.iterdir() if p.is_dir()) if data_dir.exists() else []:
-        counts[source_dir.name] = sum(_count_lines(f) for f in source_dir.glob("*.jsonl.gz"))
+        counts[source_dir.name] = count_source_docs(source_dir)
     return counts
+
+
+def count_source_docs(source_dir: Path) -> int:
+    """Documents in one source's `*.jsonl.gz` files."""
+    return sum(_count_lines(f) for f in source_dir.glob("*.jsonl.gz"))
 
 
 def _count_lines(path: Path) -> int:
@@ -140,7 +145,7 @@ def ingest(recipe: Recipe, source_paths: dict[str, str], out: Path) -> dict[str,
             _tasks_for(recipe.executor, len(files)),
             f"ingest-{source.name}",
         )
-        docs = count_docs(out / DATA).get(source.name, 0)
+        docs = count_source_docs(out / DATA / source.name)
         malformed = stats[0]["counters"].get("malformed", 0) if stats else 0
         summary["sources"][source.name] = {
             "files": len(files),
@@ -190,7 +195,7 @@ def filter_docs(recipe: Recipe, ingested: Path, out: Path) -> dict[str, Any]:
         }
         summary["sources"][source.name] = {
             "docs_in": docs_in,
-            "docs_out": count_docs(out / DATA).get(source.name, 0),
+            "docs_out": count_source_docs(out / DATA / source.name),
             "removed": removed,
         }
     return summary
