@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +89,3 @@ def train_and_save(trainer, out: Path, curves: dict[str, str]) -> dict[str, Any]
     save_final(trainer.model, trainer.processing_class, out / "final")
     history = trainer.state.log_history
     return {"resumed_from": resume, **{name: loss_history(history, key) for name, key in curves.items()}}
-
-
-def step_of(checkpoint: str) -> int:
-    return int(re.search(r"checkpoint-(\d+)", checkpoint).group(1))

@@ -88,6 +88,24 @@ def test_preference_pairs_with_the_transformers_backend(base):
     assert stats["strong_accuracy"] == pytest.approx(5 / 6)
 
 
+def test_hub_chat_loading_code_reads_local_files(tmp_path):
+    """The real recipe's loader (`datasets`, SmolTalk-style `messages`), on local JSONL and Parquet copies."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is {i} + 1?"}, {"role": "assistant", "content": f"The answer is {i + 1}."}]}
+        for i in range(5)
+    ]
+    (tmp_path / "jsonl").mkdir()
+    chat.write_jsonl(tmp_path / "jsonl" / "part.jsonl", rows)
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pq" / "part.parquet")
+    for folder in ("jsonl", "pq"):
+        loaded = chat.load_hub_chat(str(tmp_path / folder), "train", limit=3)
+        assert len(loaded) == 3 and loaded[0]["prompt"] == rows[0]["messages"][:1] and loaded[2]["answer"] == "3"
+
+
 def test_vllm_request_building():
     pytest.importorskip("vllm")
     from postrain.generation import vllm_request
