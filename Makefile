@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 RECIPE ?= configs/tiny.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast serve serve-stop deploy clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,17 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# A local Prefect server (127.0.0.1, SQLite under .smolflow/), the smolflow work pool, a worker and
+# the crash automation; `source .smolflow/env` then points the prefect CLI at it.
+serve: $(STAMP)
+	$(BIN)/smolflow server start
+
+serve-stop: $(STAMP)
+	$(BIN)/smolflow server stop
+
+deploy: serve
+	. .smolflow/env && prefect --no-prompt deploy --all
 
 clean:
 	rm -rf runs .pytest_cache

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 from prefect import flow
 
 from infra.steps import RunContext, StepOutput
+from tasks import evaluate
 from tasks import pretrain as t
 from tasks.curate import mixtures as resolve_mixtures
 
@@ -14,9 +17,15 @@ def pretrain(ctx: RunContext) -> list[StepOutput]:
     tok = ctx.load_step("tokenizer", needed_by="pretrain")
     mixtures = resolve_mixtures(ctx, tokenized)  # cached unless the recipe's stages changed since curation
     stages, previous = [], None
-    for index in range(len(ctx.recipe.pretrain.stages)):
-        previous = t.train_stage(ctx, index, mixtures, tokenized, tok, previous)
-        stages.append(previous)
+    stop = threading.Event()
+    follower = evaluate.follow_checkpoints.submit(ctx, stop)  # scores checkpoints while the trainer runs
+    try:
+        for index in range(len(ctx.recipe.pretrain.stages)):
+            previous = t.train_stage(ctx, index, mixtures, tokenized, tok, previous)
+            stages.append(previous)
+    finally:
+        stop.set()
+        follower.wait()
     t.report(ctx, stages)
     return stages
 

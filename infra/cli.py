@@ -124,7 +124,7 @@ def run(
 
 @app.command()
 def stage(
-    name: Annotated[str, typer.Argument(help="Stage to run: curate, pretrain, sft, preference, apo, grpo.", show_default=False)],
+    name: Annotated[str, typer.Argument(help="Stage to run: curate, pretrain, sft, preference, apo, grpo, evaluate.", show_default=False)],
     recipe: RecipeArg,
     run_dir: RunDirOpt = None,
     set_: SetOpt = None,
@@ -136,3 +136,73 @@ def stage(
         typer.secho(f"error: unknown stage {name!r}; stages: {', '.join(STAGES)}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
     _run_flow(STAGES[name], recipe, run_dir, set_ or [])
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run dir, e.g. runs/tiny.", show_default=False)],
+    recipe: Annotated[Path | None, typer.Option(help="Recipe of the run [default: the run dir's recipe.json].")] = None,
+) -> None:
+    """Rebuild the run's report card (RUN_DIR/reports/card.md and its PNG plots) from what the run dir holds."""
+    from tasks.evaluate import source_recipe
+    from tasks.evaluation.report import build_report
+
+    if not run_dir.is_dir():
+        _fail(SmolflowError(f"{run_dir} is not a run dir"))
+    try:
+        card = build_report(run_dir, source_recipe(str(run_dir), str(recipe) if recipe else None))
+    except SmolflowError as err:
+        _fail(err)
+    typer.echo(f"{card.path} ({len(card.plots)} plots, {len(card.eval_rows)} eval results)")
+
+
+@app.command("eval")
+def eval_cmd(
+    source: Annotated[str, typer.Argument(help="A run dir or an s3:// prefix of mirrored checkpoints.", show_default=False)],
+    recipe: Annotated[Path | None, typer.Option(help="Recipe of the run [default: the source's recipe.json].")] = None,
+) -> None:
+    """Evaluate every checkpoint and model under SOURCE that has no results yet (what the scheduled-eval flow runs)."""
+    from flows.evaluate import scheduled_eval_flow
+
+    try:
+        result = scheduled_eval_flow(source, str(recipe) if recipe else None)
+    except SmolflowError as err:
+        _fail(err)
+    typer.echo(result)
+
+
+server_app = typer.Typer(help="A local Prefect server (127.0.0.1, SQLite under .smolflow/), work pool, worker and crash automation.")
+app.add_typer(server_app, name="server")
+
+
+@server_app.command("start")
+def server_start(
+    port: Annotated[int | None, typer.Option(help="Port [default: $SMOLFLOW_PORT or 4200].")] = None,
+    worker: Annotated[bool, typer.Option(help="Also start a worker on the smolflow pool.")] = True,
+) -> None:
+    """Start the server (if not running), create the work pool, queues and automation, start a worker."""
+    from infra.server import Server
+
+    server = Server.here(port)
+    try:
+        server.start(worker=worker, say=typer.echo)
+    except SmolflowError as err:
+        _fail(err)
+    typer.echo(f"Next: source {server.state / 'env'} && prefect --no-prompt deploy --all && prefect deployment run 'full-pipeline/tiny'")
+
+
+@server_app.command("stop")
+def server_stop(port: Annotated[int | None, typer.Option(help="Port [default: $SMOLFLOW_PORT or 4200].")] = None) -> None:
+    """Stop the worker, then the server (by the PIDs recorded at start)."""
+    from infra.server import Server
+
+    Server.here(port).stop(say=typer.echo)
+
+
+@server_app.command("status")
+def server_status(port: Annotated[int | None, typer.Option(help="Port [default: $SMOLFLOW_PORT or 4200].")] = None) -> None:
+    """Whether the server and worker run, and where the UI is."""
+    from infra.server import Server
+
+    for key, value in Server.here(port).status().items():
+        typer.echo(f"{key}: {value}")

@@ -13,3 +13,7 @@ class DataError(SmolflowError):
 
 class UpstreamMissing(SmolflowError):
     """A stage was asked to run before the step it reads from."""
+
+
+class StepLocked(SmolflowError):
+    """Another live process is building the same step (a double launch): this one stands down."""

@@ -221,6 +221,7 @@ class CurateCfg(Strict):
     dedup: DedupCfg = DedupCfg()
     decontamination: DecontCfg = DecontCfg()
     tokenizer: TokenizerCfg
+    heldout_fraction: float = Field(0.01, ge=0, lt=0.5, description="documents per source kept out of training for perplexity evals")
     examples_per_filter: int = Field(3, ge=0, description="removed documents shown in the report")
 
     @model_validator(mode="after")
@@ -475,6 +476,23 @@ class PostrainCfg(Strict):
     grpo: GRPOCfg
 
 
+class EvalCfg(Strict):
+    """lm-evaluation-harness on every pretraining checkpoint and every finished model (tasks/evaluation/)."""
+
+    checkpoint_tasks: list[str] = Field([], description="lm-eval tasks run on every pretraining checkpoint (CF, MCF, perplexity)")
+    model_tasks: list[str] = Field([], description="extra tasks for finished models (chat template applied), e.g. generative math")
+    task_dirs: list[str] = Field(["configs/evals/tasks"], description="folders of lm-eval task YAMLs")
+    include_defaults: bool = Field(False, description="also index lm-eval's built-in tasks (HellaSwag, MMLU, ...): ~35 s per call")
+    limit: int | None = Field(None, gt=0, description="items per task (None: all)")
+    batch_size: int = Field(16, gt=0)
+    max_length: int | None = Field(None, gt=0, description="context for perplexity windows (default: the model's)")
+    backend: Literal["hf", "vllm"] = "hf"
+    follow: bool = Field(True, description="evaluate pretraining checkpoints while the trainer runs")
+    poll_seconds: float = Field(10, gt=0)
+    nice: int = Field(10, ge=0, le=19, description="CPU priority of eval processes below the trainer's")
+    threads: int = Field(1, ge=1)
+
+
 class Recipe(Strict):
     name: Name
     seed: int = 0
@@ -486,6 +504,7 @@ class Recipe(Strict):
     model: ModelCfg
     pretrain: PretrainCfg
     postrain: PostrainCfg
+    evaluation: EvalCfg = EvalCfg()
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Recipe:

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.errors import UpstreamMissing
+from infra.errors import StepLocked, UpstreamMissing
+from infra.locks import lock_holder, take_lock
 from infra.recipe import Recipe, load_recipe, recipe_dump
 from infra.storage import Mirror, fingerprint_files
 
@@ -145,14 +146,29 @@ def run_step(
         log.info("step %s: finished earlier (step id %s), skipping", name, sid)
         return _output(manifest, final, cached=True)
 
-    partial = run_dir / ".partial" / name
+    lock = run_dir / ".partial" / f"{name}.lock"
+    if not take_lock(lock):
+        holder = lock_holder(lock) or {}
+        raise StepLocked(
+            f"step {name} is being built by pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}; "
+            f"not starting a second builder (delete {lock} if that process is gone)"
+        )
+    try:
+        return _build(run_dir, name, sid, config, fingerprints, build, mirror)
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _build(run_dir: Path, name: str, sid: str, config: Any, fingerprints: dict[str, str], build, mirror: Mirror | None) -> StepOutput:
+    final, partial = run_dir / name, run_dir / ".partial" / name
+    if (manifest := read_manifest(final)) and manifest.get("step_id") == sid:  # finished while we waited for the lock
+        return _output(manifest, final, cached=True)
     if mirror is not None and (remote := mirror.read_marker(name, MANIFEST)) and remote.get("step_id") == sid:
         log.info("step %s: pulling the finished copy from %s", name, mirror.prefix)
         shutil.rmtree(partial, ignore_errors=True)
         mirror.pull(name, partial, MANIFEST)
         _commit(partial, final)
         return _output(remote, final, cached=True)
-
     if partial.exists() and _read_text(partial / _STEP_ID_FILE) != sid:
         shutil.rmtree(partial)
     partial.mkdir(parents=True, exist_ok=True)

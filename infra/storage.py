@@ -130,6 +130,11 @@ class Mirror:
         self._retry(f"upload {remote}/{marker}", lambda: self._put_verified(local_dir / marker, f"{remote}/{marker}"))
         self.fs.invalidate_cache()
 
+    def put_file(self, path: Path, name: str) -> None:
+        """Upload one file (verified) to `prefix/NAME`."""
+        target = self.remote(name)
+        self._retry(f"upload {target}", lambda: self._put_verified(path, target))
+
     def _put_verified(self, path: Path, target: str) -> None:
         self.fs.put_file(str(path), target)
         self.fs.invalidate_cache(target)

@@ -25,6 +25,7 @@ from infra.storage import Mirror
 
 MARKER = "checkpoint.json"
 LATEST = "latest.json"
+EVALUATED = ".evaluated"  # ROOT/.evaluated/TAG: written by the evaluator once TAG is scored
 log = logging.getLogger(__name__)
 
 
@@ -76,9 +77,10 @@ def is_complete(folder: Path) -> bool:
 class CheckpointStore:
     """The checkpoints of one training stage under `root`; rank 0 manages files, all ranks save shards."""
 
-    def __init__(self, root: Path, keep_last: int, mirror: Mirror | None = None, remote_name: str = ""):
+    def __init__(self, root: Path, keep_last: int, mirror: Mirror | None = None, remote_name: str = "", hold_unevaluated: int = 0):
         self.root = Path(root)
         self.keep_last = keep_last
+        self.hold_unevaluated = hold_unevaluated
         self.mirror = mirror
         self.remote_name = remote_name
         self.root.mkdir(parents=True, exist_ok=True)
@@ -142,11 +144,17 @@ class CheckpointStore:
         self.prune()
 
     def prune(self) -> None:
-        tags = self.local_tags()
-        for tag in tags[: -self.keep_last]:
+        """Delete checkpoints beyond the newest `keep_last`, except those not yet uploaded, and (up to
+        `hold_unevaluated` of them) those the evaluator has not scored yet (it marks them in EVALUATED/)."""
+        held = 0
+        for tag in reversed(self.local_tags()[: -self.keep_last]):
             if self.mirror is not None and tag not in self._uploaded:
                 continue  # never delete the only copy: it goes once its upload is verified
+            if held < self.hold_unevaluated and not (self.root / EVALUATED / tag).exists():
+                held += 1
+                continue
             shutil.rmtree(self.root / tag, ignore_errors=True)
+            (self.root / EVALUATED / tag).unlink(missing_ok=True)
 
     # --- mirroring --------------------------------------------------------------------------
 

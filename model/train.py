@@ -58,6 +58,7 @@ class TrainJob(BaseModel):
     s3_region: str | None = None
     peak_flops: float | None = None  # per rank; measured with a matmul probe when None
     stop_after_steps: int | None = None  # testing and drills: exit after this many steps of this run
+    hold_unevaluated: int = 0  # checkpoints kept past keep_last until the evaluator has scored them
 
     @property
     def stage(self):
@@ -234,7 +235,7 @@ def train(job: TrainJob) -> dict[str, Any]:
     mirror = None
     if job.mirror:
         mirror = Mirror(job.mirror, S3Cfg(endpoint_url=job.s3_endpoint, region=job.s3_region))
-    store = CheckpointStore(Path(job.checkpoint_dir), p.checkpoint.keep_last, mirror, remote_name=job.remote_name)
+    store = CheckpointStore(Path(job.checkpoint_dir), p.checkpoint.keep_last, mirror, job.remote_name, job.hold_unevaluated)
     init_tag = None
     if job.init_from is not None and not stage.long_context:  # the previous main stage's newest checkpoint
         previous = CheckpointStore(Path(job.init_from), p.checkpoint.keep_last, mirror, remote_name=job.init_remote or "")
@@ -349,7 +350,8 @@ def train(job: TrainJob) -> dict[str, Any]:
         due = step % p.checkpoint.every_steps == 0 or time.time() - last_save > p.checkpoint.every_minutes * 60
         if due or step == data.steps:
             begun = time.time()
-            save(engine, store, step, {"skip_steps": sorted(skip_steps), "loss_ema": ema}, rank, tokenizer)
+            position = {"stage": stage.name, "tokens": (job.step_offset + step) * tokens_per_step}
+            save(engine, store, step, {"skip_steps": sorted(skip_steps), "loss_ema": ema}, position, rank, tokenizer)
             last_save = time.time()
             save_seconds.append(last_save - begun)
 
@@ -413,7 +415,8 @@ def broadcast(value):
     return holder[0]
 
 
-def save(engine, store: CheckpointStore, step: int, extra: dict[str, Any], rank: int, tokenizer) -> None:
+def save(engine, store: CheckpointStore, step: int, extra: dict[str, Any], position: dict[str, Any], rank: int, tokenizer) -> None:
+    """Save every rank's shards plus an HF export; `position` (stage, tokens seen) goes into the marker for eval plots."""
     import torch.distributed as dist
 
     tag = tag_for(step)
@@ -424,7 +427,7 @@ def save(engine, store: CheckpointStore, step: int, extra: dict[str, Any], rank:
         hf = store.tmp_dir() / tag / "hf"
         engine.module.save_pretrained(hf, safe_serialization=True)
         tokenizer.save_pretrained(hf)
-        store.commit(tag, step, {"world_size": dist.get_world_size()})
+        store.commit(tag, step, {"world_size": dist.get_world_size(), **position})
     dist.barrier()
 
 

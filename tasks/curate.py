@@ -138,7 +138,7 @@ def tokenize(ctx: RunContext, decont: StepOutput, tok: StepOutput) -> StepOutput
     recipe = ctx.recipe
     out = ctx.step(
         "tokenize",
-        {"seed": recipe.seed},
+        {"seed": recipe.seed, "heldout_fraction": recipe.curate.heldout_fraction},
         {"decont": decont, "tokenizer": tok},
         lambda out: pipelines.tokenize(recipe, decont.path, tok.path / "tokenizer.json", out),
     )

@@ -19,6 +19,13 @@ from infra.steps import RunContext, StepOutput, building_step_id
 from model.train import TrainJob
 from tasks.common import run_logger, stage_task
 
+# Checkpoints kept beyond keep_last while the eval follower catches up (tasks/evaluate.py).
+HOLD_FOR_EVAL = 4
+
+
+def following(recipe: Recipe) -> bool:
+    return recipe.evaluation.follow and bool(recipe.evaluation.checkpoint_tasks)
+
 
 class TrainerFailed(SmolflowError):
     """The trainer process exited non-zero: a retry resumes it from its newest checkpoint."""
@@ -110,6 +117,7 @@ def train_stage(
             s3_endpoint=recipe.storage.s3.endpoint_url,
             s3_region=recipe.storage.s3.region,
             peak_flops=p.hardware.peak_tflops * 1e12 if p.hardware.peak_tflops else None,
+            hold_unevaluated=HOLD_FOR_EVAL if following(recipe) else 0,
         )
         job_path = out / "job.json"
         job_path.write_text(job.model_dump_json(indent=2))

@@ -27,6 +27,10 @@ def micro_recipe(**changes) -> dict:
         stage["tokens"] = 2000
     data["pretrain"]["stages"][0]["tokens"] = 8000
     data["pretrain"]["stages"][-1].update(seq_len=128, micro_batch_size=2)
+    data["curate"]["heldout_fraction"] = 0.05  # a few held-out documents per source even in a micro corpus
+    data["evaluation"].update(
+        checkpoint_tasks=["smol_arithmetic_cf", "smol_arithmetic_mcf", "smol_ppl_code"], model_tasks=["smol_arithmetic_gen"], limit=8
+    )
     for key, value in changes.items():
         node = data
         *path, last = key.split(".")

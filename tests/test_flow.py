@@ -168,7 +168,7 @@ def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_ser
     assert (tmp_path / "run" / "trackio").is_dir()
 
     # post-training starts from there: chat data and SFT through their own flow
-    from flows.postrain import sft_flow
+    from flows.post_training import sft_flow
 
     sft_final = sft_flow(
         str(recipe),

@@ -168,15 +168,28 @@ def write_jsonl_gz(path: Path, docs: Iterator[EmbeddedDoc]) -> int:
 
 
 def eval_items(kind: str, n: int, seed: int, max_value: int) -> list[dict]:
-    """Held-out math items ({question, answer}); the corpus generator never emits their questions."""
+    """Held-out math items; the corpus generator never emits their questions.
+
+    Each has the exact `answer` (generative eval) and four `choices` with the index of the right
+    one in `label` (cloze and lettered multiple-choice evals): distractors are near misses
+    (off by one or ten), the mistakes a model that half-learned arithmetic makes.
+    """
     make = arithmetic_problem if kind == "arithmetic" else word_problem
     rng, seen, items = random.Random(f"{kind}-{seed}"), set(), []
     while len(items) < n:
         question, _, answer = make(rng, max_value)
         if question not in seen:
             seen.add(question)
-            items.append({"question": question, "answer": str(answer)})
+            choices = distractors(rng, answer) + [answer]
+            rng.shuffle(choices)
+            items.append(
+                {"question": question, "answer": str(answer), "choices": [str(c) for c in choices], "label": choices.index(answer)}
+            )
     return items
+
+
+def distractors(rng: random.Random, answer: int, n: int = 3) -> list[int]:
+    return [answer + d for d in rng.sample((-10, -2, -1, 1, 2, 10), n)]
 
 
 def read_eval_questions(paths: list[str]) -> set[str]:

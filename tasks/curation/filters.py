@@ -8,6 +8,7 @@ the local path or s3:// URL the recipe names (recipe validation already insists 
 from __future__ import annotations
 
 import csv
+import hashlib
 import inspect
 import re
 from typing import Any
@@ -64,6 +65,23 @@ class CodeQualityFilter(BaseFilter):
         if self.drop_generated and _GENERATED.search(text[:500]):
             return False, "code_generated"
         return True
+
+
+class HeldOutSplit(BaseFilter):
+    """Set a fixed fraction of documents aside (written by the exclusion writer) for held-out perplexity.
+
+    The split is a hash of the document id, so it is the same on every rerun and every shard count.
+    """
+
+    name = "🧪 Held-out split"
+
+    def __init__(self, fraction: float, exclusion_writer: DiskWriter | None = None):
+        super().__init__(exclusion_writer)
+        self.fraction = fraction
+
+    def filter(self, doc: Document) -> bool | tuple[bool, str]:
+        bucket = int(hashlib.sha256(doc.id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        return (False, "heldout") if bucket < self.fraction else True
 
 
 class LengthFilter(BaseFilter):

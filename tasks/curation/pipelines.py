@@ -37,13 +37,14 @@ from datatrove.utils.text import TextNormConfig, ngrams, simplify_text
 
 from infra.errors import DataError
 from infra.recipe import ExecutorCfg, Recipe
-from tasks.curation.filters import build_filters
+from tasks.curation.filters import HeldOutSplit, build_filters
 from tasks.curation.readers import list_source_files, make_reader
 from tasks.curation.tokenizer import EOS
 from tasks.curation.words import SPLIT_WORDS
 
 log = logging.getLogger(__name__)
 DATA = "data"
+HELDOUT = "heldout"  # tokenize/heldout/SOURCE: documents kept out of training for perplexity evals
 DOC_FILES = "*/*.jsonl.gz"
 
 
@@ -383,7 +384,11 @@ def decontaminate(recipe: Recipe, deduped: Path, out: Path) -> dict[str, Any]:
 
 
 def tokenize(recipe: Recipe, decontaminated: Path, tokenizer_json: Path, out: Path) -> dict[str, Any]:
-    """datatrove's DocumentTokenizer and merger: one shuffled `.ds` token file per source."""
+    """datatrove's DocumentTokenizer and merger: one shuffled `.ds` token file per source.
+
+    A hashed fraction of each source's documents goes to `heldout/SOURCE/` instead: never trained
+    on, it is the text of the per-domain perplexity evals (tasks/evaluation/).
+    """
     from datatrove.pipeline.tokens import DocumentTokenizer, DocumentTokenizerMerger
 
     summary: dict[str, Any] = {"sources": {}}
@@ -402,9 +407,10 @@ def tokenize(recipe: Recipe, decontaminated: Path, tokenizer_json: Path, out: Pa
             local_working_dir=str(out / "work" / f"{source.name}-tmp"),
         )
         n_files = len(list(in_dir.glob("*.jsonl.gz")))
+        heldout = HeldOutSplit(recipe.curate.heldout_fraction, exclusion_writer=JsonlWriter(str(out / HELDOUT / source.name)))
         run_pipeline(
             recipe.executor,
-            [_reader(in_dir), tokenizer],
+            [_reader(in_dir), heldout, tokenizer],
             out / "logs" / f"{source.name}-tokenize",
             _tasks_for(recipe.executor, n_files),
             f"tokenize-{source.name}",
@@ -413,7 +419,9 @@ def tokenize(recipe: Recipe, decontaminated: Path, tokenizer_json: Path, out: Pa
             str(shards), str(out / DATA / source.name), save_filename=source.name, seed=recipe.seed, progress=False
         )
         run_pipeline(recipe.executor, [merger], out / "logs" / f"{source.name}-merge", 1, f"merge-{source.name}")
-        summary["sources"][source.name] = token_counts(out / DATA / source.name)
+        summary["sources"][source.name] = token_counts(out / DATA / source.name) | {
+            "heldout_docs": count_source_docs(out / HELDOUT / source.name)
+        }
     shutil.rmtree(out / "work", ignore_errors=True)
     return summary
 

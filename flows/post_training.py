@@ -6,6 +6,7 @@ from prefect import flow
 
 from infra.steps import RunContext
 from tasks import postrain as t
+from tasks.evaluate import evaluate_model
 
 
 def _base(ctx: RunContext):
@@ -16,7 +17,9 @@ def _base(ctx: RunContext):
 def sft_flow(recipe: str, run_dir: str | None = None, overrides: list[str] | None = None) -> str:
     """Chat data and supervised fine-tuning of the pretrained model; returns the SFT model's folder."""
     ctx = RunContext.load(recipe, run_dir, overrides or [])
-    return str(t.sft(ctx, t.chat_data(ctx), _base(ctx)).path / "final")
+    sft = t.sft(ctx, t.chat_data(ctx), _base(ctx))
+    evaluate_model(ctx, sft)
+    return str(sft.path / "final")
 
 
 @flow(name="preference")
@@ -32,7 +35,9 @@ def apo_flow(recipe: str, run_dir: str | None = None, overrides: list[str] | Non
     """APO on the preference pairs, from the SFT model; returns the APO model's folder."""
     ctx = RunContext.load(recipe, run_dir, overrides or [])
     data, pairs, sft = (ctx.load_step(name, "apo") for name in ("chat_data", "preference", "sft"))
-    return str(t.apo(ctx, data, pairs, sft).path / "final")
+    apo = t.apo(ctx, data, pairs, sft)
+    evaluate_model(ctx, apo)
+    return str(apo.path / "final")
 
 
 @flow(name="grpo")
@@ -41,4 +46,5 @@ def grpo_flow(recipe: str, run_dir: str | None = None, overrides: list[str] | No
     ctx = RunContext.load(recipe, run_dir, overrides or [])
     data, pairs, sft, apo = (ctx.load_step(name, "grpo") for name in ("chat_data", "preference", "sft", "apo"))
     grpo = t.grpo(ctx, data, apo)
+    evaluate_model(ctx, grpo)
     return str(t.report(ctx, sft, pairs, apo, grpo))

@@ -1,0 +1,210 @@
+"""A local Prefect server, work pool, worker and crash automation: `smolflow server start|stop|status`.
+
+Everything lives under the project's state dir (`.smolflow/`, or $SMOLFLOW_STATE): the SQLite
+database, PREFECT_HOME, logs and PID files. The server listens on 127.0.0.1 only. `start` is
+idempotent (a running server or worker is left alone); `stop` stops workers before the server,
+since a worker whose server vanished first retries its connection instead of exiting.
+
+Work pool `smolflow` (type process) has two queues, each running one flow run at a time:
+`default` for the pipeline and stage flows, `eval` for scheduled evaluation, so evaluation never
+takes the training slot (and its processes run at a lower CPU priority, tasks/evaluation/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from infra.env import OFFLINE_DEFAULTS
+from infra.errors import SmolflowError
+
+POOL = "smolflow"
+QUEUES = {"default": 1, "eval": 1}  # queue -> concurrency limit
+AUTOMATION = "smolflow: reschedule crashed flow runs"
+TAG = "smolflow"  # deployments carrying this tag are rescheduled by the automation after a crash
+MAX_ATTEMPTS = 3  # a run that crashed on its 3rd attempt stays Crashed
+
+
+@dataclass(frozen=True)
+class Server:
+    root: Path  # the repository: deployments run their flows from here
+    state: Path
+    port: int = 4200
+
+    @classmethod
+    def here(cls, port: int | None = None) -> Server:
+        root = Path.cwd().resolve()
+        state = Path(os.environ.get("SMOLFLOW_STATE", root / ".smolflow")).resolve()
+        return cls(root=root, state=state, port=port or int(os.environ.get("SMOLFLOW_PORT", "4200")))
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
+
+    def env(self) -> dict[str, str]:
+        """The environment of the server, the worker and the user's Prefect commands."""
+        return {
+            **OFFLINE_DEFAULTS,
+            **os.environ,
+            "PREFECT_HOME": str(self.state / "prefect"),
+            "PREFECT_API_URL": self.api_url,
+            "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.state / 'prefect.db'}",
+            "PREFECT_SERVER_API_HOST": "127.0.0.1",
+            "PREFECT_SERVER_API_PORT": str(self.port),
+            "SMOLFLOW_ROOT": str(self.root),
+            "SMOLFLOW_STATE": str(self.state),
+        }
+
+    # --- processes ------------------------------------------------------------------------
+
+    def _pid_file(self, name: str) -> Path:
+        return self.state / f"{name}.pid"
+
+    def pid(self, name: str) -> int | None:
+        """The PID of our `name` process if it is alive (and is the process we started)."""
+        try:
+            info = json.loads(self._pid_file(name).read_text())
+            proc = psutil.Process(info["pid"])
+            if abs(proc.create_time() - info["created"]) < 1 and proc.status() != psutil.STATUS_ZOMBIE:
+                return info["pid"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, psutil.NoSuchProcess):
+            pass
+        return None
+
+    def _spawn(self, name: str, command: list[str]) -> int:
+        log = open(self.state / f"{name}.log", "ab")
+        proc = subprocess.Popen(command, env=self.env(), cwd=self.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._pid_file(name).write_text(json.dumps({"pid": proc.pid, "created": psutil.Process(proc.pid).create_time()}))
+        return proc.pid
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def start(self, timeout_s: float = 180, worker: bool = True, say=print) -> None:
+        self.state.mkdir(parents=True, exist_ok=True)
+        (self.state / "env").write_text(self.env_script())
+        if self.pid("server") is None:
+            if self.healthy():
+                raise SmolflowError(f"port {self.port} already has a Prefect server that smolflow did not start; set SMOLFLOW_PORT")
+            prefect = str(Path(sys.executable).with_name("prefect"))
+            self._spawn("server", [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)])
+            say(f"starting the Prefect server (database {self.state / 'prefect.db'}, log {self.state / 'server.log'})")
+        deadline = time.time() + timeout_s
+        while not self.healthy():
+            if self.pid("server") is None:
+                raise SmolflowError(f"the Prefect server exited while starting; see {self.state / 'server.log'}")
+            if time.time() > deadline:
+                raise SmolflowError(
+                    f"the Prefect server did not answer on {self.api_url} within {timeout_s:.0f} s; see {self.state / 'server.log'}"
+                )
+            time.sleep(1)
+        self._configure()
+        if worker and self.pid("worker") is None:
+            prefect = str(Path(sys.executable).with_name("prefect"))
+            self._spawn("worker", [prefect, "worker", "start", "--pool", POOL, "--type", "process", "--limit", "2"])
+            say(f"started a worker on pool {POOL!r} (log {self.state / 'worker.log'})")
+        say(f"Prefect UI: {self.ui_url}")
+
+    def _configure(self) -> None:
+        """Work pool, queues with their limits, and the crash automation (each created once)."""
+        code = f"from infra.server import configure; configure({POOL!r}, {QUEUES!r})"
+        proc = subprocess.run([sys.executable, "-c", code], env=self.env(), cwd=self.root, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SmolflowError(f"configuring the work pool and automation failed:\n{proc.stderr[-2000:]}")
+
+    def stop(self, say=print) -> None:
+        """Workers first (they get SIGTERM twice: a busy worker may ignore the first), then the server."""
+        for name in ("worker", "server"):
+            pid = self.pid(name)
+            if pid is None:
+                continue
+            proc = psutil.Process(pid)
+            group = [proc] + proc.children(recursive=True)
+            for _ in range(2):
+                for p in group:
+                    try:
+                        p.send_signal(signal.SIGTERM)
+                    except psutil.NoSuchProcess:
+                        pass
+                _, alive = psutil.wait_procs(group, timeout=15)
+                if not alive:
+                    break
+            for p in alive:
+                p.kill()
+            self._pid_file(name).unlink(missing_ok=True)
+            say(f"stopped the {name} (pid {pid})")
+
+    def status(self) -> dict[str, object]:
+        return {
+            "server": self.pid("server"),
+            "worker": self.pid("worker"),
+            "healthy": self.healthy(),
+            "ui": self.ui_url,
+            "state": str(self.state),
+        }
+
+    def env_script(self) -> str:
+        keep = ("PREFECT_HOME", "PREFECT_API_URL", "SMOLFLOW_ROOT", "SMOLFLOW_STATE", *OFFLINE_DEFAULTS)
+        env = self.env()
+        lines = [f". {self.root / '.venv' / 'bin' / 'activate'}"] + [f"export {k}={env[k]!r}" for k in keep]
+        return "# source this file to use the local Prefect server from a shell\n" + "\n".join(lines) + "\n"
+
+
+def configure(pool: str, queues: dict[str, int]) -> None:
+    """Runs against PREFECT_API_URL: create what is missing, leave what exists."""
+    from prefect.automations import Automation
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+        except ObjectAlreadyExists:
+            pass
+        for name, limit in queues.items():
+            try:
+                queue = client.read_work_queue_by_name(name, work_pool_name=pool)
+                client.update_work_queue(queue.id, concurrency_limit=limit)
+            except ObjectNotFound:
+                client.create_work_queue(name=name, work_pool_name=pool, concurrency_limit=limit)
+    try:
+        Automation.read(name=AUTOMATION)
+        return
+    except ValueError:
+        pass
+    Automation(
+        name=AUTOMATION,
+        description=f"A crashed smolflow flow run (worker or node gone) goes back to Scheduled, up to {MAX_ATTEMPTS} attempts; "
+        "each step's lock file stops a second launch (Prefect reports a crash twice) from racing the first.",
+        trigger=EventTrigger(
+            expect={"prefect.flow-run.Crashed"},
+            # run-count is 0 for a run that crashed before it started (broken code, bad image): never rescheduled
+            match={"prefect.resource.id": "prefect.flow-run.*", "prefect.run-count": [str(n) for n in range(1, MAX_ATTEMPTS)]},
+            match_related={"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{TAG}"},
+            posture=Posture.Reactive,
+            threshold=1,
+            within=0,
+        ),
+        actions=[ChangeFlowRunState(state=StateType.SCHEDULED, name="AwaitingRetry", message="rescheduled after a crash", force=True)],
+    ).create()

@@ -1,0 +1,1 @@
+"""Plain evaluation code: lm-eval runs, results keyed by model content, the report card."""

@@ -1,0 +1,234 @@
+"""The run's report card: one Markdown page with PNG plots, rebuilt from what the run dir holds.
+
+Everything is read from files the steps already wrote (step manifests, the trainer's
+metrics.jsonl, evaluation results), so `smolflow report RUN_DIR` rebuilds it at any time, for a
+finished run or one still training, and sections with no data yet say so instead of failing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infra.recipe import Recipe
+from infra.steps import read_manifest
+
+CURATE_STEPS = ("corpus", "ingest", "filter", "dedup", "decont", "tokenizer", "tokenize", "mixtures")
+POST_LADDER = (("base", "sft", "eval_before"), ("SFT", "sft", "eval"), ("APO", "apo", "eval"), ("GRPO", "grpo", "eval"))
+MAIN_METRIC = ("acc", "exact_match/answer", "bits_per_byte")
+
+
+@dataclass
+class Card:
+    path: Path
+    markdown: str
+    plots: list[Path] = field(default_factory=list)
+    eval_rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def build_report(run_dir: Path, recipe: Recipe) -> Card:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out = run_dir / "reports"
+    plots_dir = out / "plots"
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    card = Card(path=out / "card.md", markdown="")
+    steps = _step_manifests(run_dir)
+    evals = _eval_records(run_dir)
+    lines = [f"# Report card: {recipe.name}", "", f"Run dir `{run_dir}`, built {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", ""]
+    lines += _summary(steps, evals, recipe)
+    lines += _curation(steps)
+    lines += _pretraining(run_dir, recipe, plots_dir, card)
+    lines += _evaluations(evals, recipe, plots_dir, card)
+    lines += _post_training(steps, evals, plots_dir, card)
+    lines += _wall_time(steps, plots_dir, card)
+    card.markdown = "\n".join(lines) + "\n"
+    tmp = card.path.with_name(".card.md.tmp")
+    tmp.write_text(card.markdown)
+    tmp.replace(card.path)
+    return card
+
+
+def _step_manifests(run_dir: Path) -> dict[str, dict]:
+    return {p.parent.name: m for p in sorted(run_dir.glob("*/manifest.json")) if (m := read_manifest(p.parent))}
+
+
+def _eval_records(run_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "evals" / "results").glob("*.json"))]
+
+
+def _main_metric(metrics: dict[str, float]) -> tuple[str, float] | None:
+    key = next((k for k in MAIN_METRIC if k in metrics), None)
+    return (key, metrics[key]) if key else None
+
+
+def _training_order(model: dict, recipe: Recipe) -> tuple:
+    """Checkpoints by stage and step, then the finished models from base to GRPO."""
+    stages = [s.name for s in recipe.pretrain.stages]
+    if model["kind"] == "checkpoint":
+        return (0, stages.index(model["stage"]) if model["stage"] in stages else len(stages), model.get("step") or 0)
+    ladder = ["base", "sft", "apo", "grpo"]
+    return (1, ladder.index(model["label"]) if model["label"] in ladder else len(ladder), 0)
+
+
+def _summary(steps: dict, evals: list, recipe: Recipe) -> list[str]:
+    total = sum(m.get("seconds", 0) for m in steps.values())
+    stages = (["curate"] if "mixtures" in steps else []) + [
+        f"pretrain_{s.name}" for s in recipe.pretrain.stages if f"pretrain_{s.name}" in steps
+    ]
+    stages += [n for n in ("sft", "preference", "apo", "grpo") if n in steps]
+    done = f"**{len(steps)} steps finished** ({', '.join(stages)})"
+    return [f"{done}, {total / 60:.1f} min of step time; {len(evals)} models evaluated.", ""]
+
+
+def _count(value: Any) -> str:
+    """A document count, or the sum of a per-source dict of them; blank when the step counts none."""
+    if isinstance(value, dict):
+        value = sum(v for v in value.values() if isinstance(v, int))
+    return f"{value:,}" if isinstance(value, int) and value else ""
+
+
+def _curation(steps: dict) -> list[str]:
+    rows = []
+    for name in CURATE_STEPS:
+        if name not in steps:
+            continue
+        s = steps[name]["summary"]
+        sources = {k: v for k, v in s.get("sources", {}).items() if isinstance(v, dict)}
+        docs_in = s.get("docs_in", sum(v.get("docs_in", 0) for v in sources.values()) or "")
+        docs_out = s.get("docs_out", s.get("docs", sum(v.get("docs_out", v.get("docs", 0)) for v in sources.values()) or ""))
+        rows.append(f"| {name} | {_count(docs_in)} | {_count(docs_out)} | {steps[name].get('seconds', 0):.0f} |")
+    if not rows:
+        return ["## Curation", "", "_not run yet_", ""]
+    return ["## Curation", "", "| step | documents in | documents out | seconds |", "|---|---|---|---|", *rows, ""]
+
+
+def _metrics(run_dir: Path, stage: str) -> list[dict]:
+    for folder in (run_dir / f"pretrain_{stage}", run_dir / ".partial" / f"pretrain_{stage}"):
+        path = folder / "metrics.jsonl"
+        if path.is_file():
+            return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return []
+
+
+def _pretraining(run_dir: Path, recipe: Recipe, plots_dir: Path, card: Card) -> list[str]:
+    import matplotlib.pyplot as plt
+
+    per_stage = {s.name: _metrics(run_dir, s.name) for s in recipe.pretrain.stages}
+    if not any(per_stage.values()):
+        return ["## Pretraining", "", "_no training metrics yet_", ""]
+    fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    rows = ["| stage | steps logged | tokens (end) | last loss | tokens/s | MFU |", "|---|---|---|---|---|---|"]
+    for name, metrics in per_stage.items():
+        if not metrics:
+            continue
+        tokens = [m["tokens"] for m in metrics]
+        loss_ax.plot(tokens, [m["loss"] for m in metrics], label=name)
+        speed = sorted(m["tokens_per_s"] for m in metrics)[len(metrics) // 2]
+        mfu = sorted(m["mfu"] for m in metrics)[len(metrics) // 2]
+        speed_ax.bar(name, speed)
+        rows.append(f"| {name} | {len(metrics)} | {tokens[-1]:,} | {metrics[-1]['loss']:.3f} | {speed:,.0f} | {mfu:.1%} |")
+    loss_ax.set(xlabel="tokens", ylabel="training loss", title="Loss per stage")
+    loss_ax.legend()
+    speed_ax.set(ylabel="tokens/s (median)", title="Throughput per stage")
+    path = _save(fig, plots_dir / "pretrain.png", card)
+    return ["## Pretraining", "", f"![loss and throughput]({path.relative_to(card.path.parent)})", "", *rows, ""]
+
+
+def _evaluations(evals: list, recipe: Recipe, plots_dir: Path, card: Card) -> list[str]:
+    import matplotlib.pyplot as plt
+
+    for record in sorted(evals, key=lambda r: _training_order(r["model"], recipe)):
+        model = record["model"]
+        for task, entry in sorted(record["tasks"].items()):
+            main = _main_metric(entry["metrics"])
+            if main:
+                row = {"model": model["label"], "tokens": model.get("tokens"), "task": task, "metric": main[0], "value": round(main[1], 4)}
+                card.eval_rows.append(row)
+    if not card.eval_rows:
+        return ["## Evaluations", "", "_no evaluation results yet_", ""]
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in card.eval_rows:
+        if row["tokens"]:
+            series.setdefault(f"{row['task']} ({row['metric']})", []).append((row["tokens"], row["value"]))
+    lines = ["## Evaluations", ""]
+    if series:
+        cols = 3
+        nrows = (len(series) + cols - 1) // cols
+        fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3 * nrows), squeeze=False)
+        for ax, (name, points) in zip(axes.flat, sorted(series.items())):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+            ax.set_title(name.removeprefix("smol_"), fontsize=9)
+            ax.set_xlabel("tokens", fontsize=8)
+        for ax in list(axes.flat)[len(series) :]:
+            ax.axis("off")
+        path = _save(fig, plots_dir / "evals.png", card)
+        lines += [f"![evals vs tokens]({path.relative_to(card.path.parent)})", ""]
+    tasks = sorted({r["task"] for r in card.eval_rows})
+    by_model: dict[str, dict[str, float]] = {}
+    for row in card.eval_rows:
+        by_model.setdefault(row["model"], {})[row["task"]] = row["value"]
+    lines += ["| model | " + " | ".join(t.removeprefix("smol_") for t in tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+    for model, values in by_model.items():
+        lines.append(f"| {model} | " + " | ".join(f"{values[t]:.3f}" if t in values else "" for t in tasks) + " |")
+    return lines + [
+        "",
+        "acc: accuracy (cloze `_cf`, lettered `_mcf`); exact_match: generative; bits_per_byte: held-out perplexity (lower is better).",
+        "",
+    ]
+
+
+def _post_training(steps: dict, evals: list, plots_dir: Path, card: Card) -> list[str]:
+    import matplotlib.pyplot as plt
+
+    ladder = [(name, steps[step]["summary"][key]) for name, step, key in POST_LADDER if step in steps and key in steps[step]["summary"]]
+    if not ladder:
+        return ["## Post-training", "", "_not run yet_", ""]
+    gen = {}
+    for record in evals:
+        label = {"base": "base", "sft": "SFT", "apo": "APO", "grpo": "GRPO"}.get(record["model"]["label"])
+        scores = [e["metrics"]["exact_match/answer"] for t, e in record["tasks"].items() if "exact_match/answer" in e["metrics"]]
+        if label and scores:
+            gen[label] = sum(scores) / len(scores)
+    fig, (acc_ax, len_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
+    names = [n for n, _ in ladder]
+    acc_ax.bar(names, [e["accuracy"] for _, e in ladder], label="held-out prompts")
+    if gen:
+        acc_ax.plot([n for n in names if n in gen], [gen[n] for n in names if n in gen], "ko-", label="lm-eval math (exact match)")
+    acc_ax.set(title="Accuracy", ylim=(0, 1))
+    acc_ax.legend(fontsize=8)
+    len_ax.bar(names, [e["mean_answer_tokens"] for _, e in ladder])
+    len_ax.set(title="Mean answer length (tokens)")
+    path = _save(fig, plots_dir / "postrain.png", card)
+    rows = ["| model | held-out accuracy | lm-eval math | mean answer tokens |", "|---|---|---|---|"]
+    rows += [f"| {n} | {e['accuracy']:.1%} | {f'{gen[n]:.1%}' if n in gen else ''} | {e['mean_answer_tokens']:.1f} |" for n, e in ladder]
+    return ["## Post-training ladder", "", f"![ladder]({path.relative_to(card.path.parent)})", "", *rows, ""]
+
+
+def _wall_time(steps: dict, plots_dir: Path, card: Card) -> list[str]:
+    import matplotlib.pyplot as plt
+
+    timed = [(name, m.get("seconds", 0.0)) for name, m in steps.items()]
+    if not timed:
+        return []
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(timed) + 1))
+    ax.barh([n for n, _ in timed], [s for _, s in timed])
+    ax.invert_yaxis()
+    ax.set(xlabel="seconds", title="Wall time per step (last build)")
+    path = _save(fig, plots_dir / "wall_time.png", card)
+    return ["## Wall time per step", "", f"![wall time]({path.relative_to(card.path.parent)})", ""]
+
+
+def _save(fig, path: Path, card: Card) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    card.plots.append(path)
+    return path

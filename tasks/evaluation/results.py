@@ -1,0 +1,200 @@
+"""Which models a run holds, and their evaluation results keyed by content.
+
+A model is any HF folder worth scoring: every complete pretraining checkpoint (`hf/` inside it,
+committed or still in the stage's partial folder) and every finished model (the pretrained base,
+SFT, APO, GRPO). Its fingerprint hashes the folder's files (name + MD5), so a result is reused
+wherever the same weights turn up again (a checkpoint pulled back from S3, a rerun that moved the
+folder) and recomputed only when the content changes. MD5 because S3 reports it as the ETag of a
+plain upload: a mirrored checkpoint is fingerprinted from its listing, without downloading it.
+
+Results live in `evals/results/FP.json` (run dir) or `PREFIX/evals/FP.json` (S3), one task's
+metrics at a time, so adding a task to the recipe evaluates only that task. A lock file per
+fingerprint keeps two overlapping evaluation runs from scoring the same model at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infra.locks import take_lock
+from infra.recipe import Recipe, S3Cfg
+from infra.storage import file_digest, filesystem, with_retries
+from model.checkpoint import MARKER, is_complete
+
+POST_STEPS = ("sft", "apo", "grpo")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """One model folder to evaluate and its place in the run (for plots: stage, step, tokens)."""
+
+    path: str  # local folder or remote URL of the HF files
+    fingerprint: str
+    label: str  # "stage1/step00000200", "base", "sft", ...
+    kind: str  # "checkpoint" (pretraining) or "model" (finished: also gets the chat tasks)
+    stage: str
+    step: int | None = None
+    tokens: int | None = None
+
+    def info(self) -> dict[str, Any]:
+        return {"path": self.path, "label": self.label, "kind": self.kind, "stage": self.stage, "step": self.step, "tokens": self.tokens}
+
+
+def fingerprint_listing(files: dict[str, str]) -> str:
+    """relative path -> MD5 of every file of a model folder -> one hex digest."""
+    payload = json.dumps(sorted(files.items()), separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+_fp_cache: dict[tuple[str, float], str] = {}
+
+
+def local_fingerprint(folder: Path) -> str:
+    """Content fingerprint of a local model folder (memoised per folder and modification time)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    key = (str(folder.resolve()), max((p.stat().st_mtime for p in files), default=0.0))
+    if key not in _fp_cache:
+        _fp_cache[key] = fingerprint_listing({p.relative_to(folder).as_posix(): file_digest(p, "md5") for p in files})
+    return _fp_cache[key]
+
+
+def models_in_run(run_dir: Path, recipe: Recipe) -> list[ModelRef]:
+    """Every complete checkpoint and finished model under RUN_DIR, in training order."""
+    run_dir, models = Path(run_dir), []
+    for stage in recipe.pretrain.stages:
+        step_name = f"pretrain_{stage.name}"
+        for root in (run_dir / step_name / "checkpoints", run_dir / ".partial" / step_name / "checkpoints"):
+            for folder in sorted(root.glob("step*")):
+                if folder.is_dir() and is_complete(folder) and (folder / "hf").is_dir():
+                    marker = json.loads((folder / MARKER).read_text())
+                    models.append(
+                        ModelRef(
+                            path=str(folder / "hf"),
+                            fingerprint=local_fingerprint(folder / "hf"),
+                            label=f"{stage.name}/{folder.name}",
+                            kind="checkpoint",
+                            stage=stage.name,
+                            step=marker.get("step"),
+                            tokens=marker.get("tokens"),
+                        )
+                    )
+    finals = [(f"pretrain_{recipe.pretrain.stages[-1].name}", "base")] + [(name, name) for name in POST_STEPS]
+    for step_name, label in finals:
+        folder = run_dir / step_name / "final"
+        if (run_dir / step_name / "manifest.json").is_file() and folder.is_dir():
+            models.append(ModelRef(path=str(folder), fingerprint=local_fingerprint(folder), label=label, kind="model", stage=label))
+    unique = {}
+    for m in models:  # a checkpoint seen mid-rename (partial and committed) counts once
+        unique.setdefault(m.fingerprint, m)
+    return list(unique.values())
+
+
+def models_in_prefix(prefix: str, s3: S3Cfg | None) -> list[ModelRef]:
+    """Every checkpoint and finished model mirrored under an s3:// (or any fsspec) prefix."""
+    fs, root = filesystem(prefix, s3)
+    found = []
+    markers = with_retries(f"list {prefix}", lambda: fs.glob(f"{root}/checkpoints/*/step*/{MARKER}"))
+    for marker_path in sorted(markers):
+        folder = marker_path.rsplit("/", 1)[0]
+        with fs.open(marker_path, "rb") as f:
+            marker = json.loads(f.read())
+        run_stage = folder.split("/")[-2].removeprefix("pretrain_").rsplit("-", 1)[0]
+        found.append((f"{folder}/hf", f"{run_stage}/{folder.rsplit('/', 1)[-1]}", "checkpoint", run_stage, marker))
+    for name in ("pretrain_*",) + POST_STEPS:
+        for manifest in sorted(fs.glob(f"{root}/{name}/manifest.json")):
+            step = manifest.split("/")[-2]
+            label = step if step in POST_STEPS else step.removeprefix("pretrain_")
+            found.append((f"{manifest.rsplit('/', 1)[0]}/final", label, "model", label, {}))
+    models = []
+    for path, label, kind, stage, marker in found:
+        fingerprint = remote_fingerprint(fs, path)
+        if fingerprint:
+            models.append(
+                ModelRef(
+                    f"s3://{path}" if prefix.startswith("s3://") else path,
+                    fingerprint,
+                    label,
+                    kind,
+                    stage,
+                    marker.get("step"),
+                    marker.get("tokens"),
+                )
+            )
+    return models
+
+
+def remote_fingerprint(fs, folder: str) -> str | None:
+    """The same fingerprint as local_fingerprint, from the listing's ETags (None: not there, or multipart)."""
+    try:
+        listing = fs.find(folder, detail=True)
+    except FileNotFoundError:
+        return None
+    files = {}
+    for key, info in listing.items():
+        etag = str(info.get("ETag", "")).strip('"')
+        if not etag or "-" in etag:
+            return None  # a multipart upload's ETag is not an MD5: the folder must be downloaded to be fingerprinted
+        files[key[len(folder) + 1 :]] = etag
+    return fingerprint_listing(files) if files else None
+
+
+class ResultStore:
+    """Evaluation results per model fingerprint, in a local folder or under an fsspec URL."""
+
+    def __init__(self, url: str, s3: S3Cfg | None = None, lock_dir: Path | None = None):
+        self.url = url.rstrip("/")
+        self.fs, self.root = filesystem(self.url, s3)
+        self.lock_dir = Path(lock_dir or (Path(url) / ".locks" if "://" not in url else Path(".smolflow") / "eval-locks"))
+
+    def _path(self, fingerprint: str) -> str:
+        return f"{self.root}/{fingerprint}.json"
+
+    def get(self, fingerprint: str) -> dict[str, Any] | None:
+        try:
+            with self.fs.open(self._path(fingerprint), "rb") as f:
+                return json.loads(f.read())
+        except FileNotFoundError:
+            return None
+
+    def pending(self, model: ModelRef, tasks: list[str], limit: int | None) -> list[str]:
+        """Tasks this model has no result for at this item limit."""
+        done = (self.get(model.fingerprint) or {}).get("tasks", {})
+        return [t for t in tasks if t not in done or done[t].get("limit") != limit]
+
+    def put(self, model: ModelRef, metrics: dict[str, dict[str, float]], limit: int | None, seconds: float) -> dict[str, Any]:
+        record = self.get(model.fingerprint) or {"fingerprint": model.fingerprint, "model": model.info(), "tasks": {}}
+        record["tasks"].update({task: {"limit": limit, "metrics": m} for task, m in metrics.items()})
+        record["seconds"] = round(record.get("seconds", 0.0) + seconds, 2)
+        record["evaluated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        tmp = f"{self.root}/.{model.fingerprint}.json.tmp"
+        self.fs.makedirs(self.root, exist_ok=True)
+        with self.fs.open(tmp, "w") as f:
+            json.dump(record, f, indent=2, sort_keys=True)
+        self.fs.mv(tmp, self._path(model.fingerprint))
+        return record
+
+    def all(self) -> list[dict[str, Any]]:
+        records = []
+        for path in sorted(self.fs.glob(f"{self.root}/*.json")):
+            with self.fs.open(path, "rb") as f:
+                records.append(json.loads(f.read()))
+        return records
+
+    @contextmanager
+    def claim(self, fingerprint: str) -> Iterator[bool]:
+        """Yields True when this process may evaluate the model; False while another live process is."""
+        self.lock_dir.mkdir(parents=True, exist_ok=True)
+        lock = self.lock_dir / f"{fingerprint}.lock"
+        owned = take_lock(lock)
+        try:
+            yield owned
+        finally:
+            if owned:
+                lock.unlink(missing_ok=True)

@@ -1,0 +1,160 @@
+"""Evaluate models that have no results yet: once over a list, or following a trainer's checkpoints.
+
+Pretraining checkpoints get the recipe's `checkpoint_tasks` (cloze, lettered MC, perplexity);
+finished models get those plus `model_tasks` with the chat template applied (generative math).
+A model whose evaluation fails is reported, never dropped: the follower goes on with the others
+and the run's evaluation step retries it and fails the step if it still fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infra.recipe import EvalCfg, S3Cfg
+from infra.storage import Mirror, filesystem, with_retries
+from model.checkpoint import EVALUATED
+from tasks.evaluation.harness import EvalFailed, evaluate_in_child, tasks_without_data
+from tasks.evaluation.results import ModelRef, ResultStore
+
+
+@dataclass
+class EvalSummary:
+    evaluated: list[str] = field(default_factory=list)
+    cached: list[str] = field(default_factory=list)
+    busy: list[str] = field(default_factory=list)  # another process was evaluating it
+    failed: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        return (
+            f"{len(self.evaluated)} evaluated, {len(self.cached)} already had results, {len(self.busy)} left to a concurrent run, "
+            f"{len(self.failed)} failed ({self.seconds:.0f} s)"
+        )
+
+
+class Evaluator:
+    def __init__(
+        self,
+        cfg: EvalCfg,
+        store: ResultStore,
+        include: Path,
+        work_dir: Path,
+        log: logging.Logger | logging.LoggerAdapter,
+        mirror: Mirror | None = None,
+        s3: S3Cfg | None = None,
+    ):
+        self.cfg, self.store, self.include, self.work_dir, self.log = cfg, store, include, Path(work_dir), log
+        self.mirror, self.s3 = mirror, s3
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.no_data = tasks_without_data(include, cfg.checkpoint_tasks + cfg.model_tasks)
+        for task, reason in self.no_data.items():
+            log.warning("eval task %s is skipped: %s", task, reason)
+
+    def task_groups(self, model: ModelRef) -> list[tuple[list[str], bool]]:
+        """(pending tasks, chat template?) for this model; tasks without data are left out (and were warned about)."""
+        groups = [(self.cfg.checkpoint_tasks, False)] + ([(self.cfg.model_tasks, True)] if model.kind == "model" else [])
+        groups = [([t for t in tasks if t not in self.no_data], chat) for tasks, chat in groups]
+        return [(pending, chat) for tasks, chat in groups if (pending := self.store.pending(model, tasks, self.cfg.limit))]
+
+    def evaluate(self, model: ModelRef, summary: EvalSummary) -> bool:
+        """Score `model` on its pending tasks; False when it failed (or moved away mid-evaluation)."""
+        groups = self.task_groups(model)
+        if not groups:
+            summary.cached.append(model.label)
+            return True
+        with self.store.claim(model.fingerprint) as owned:
+            if not owned:
+                self.log.info("eval %s: another run is evaluating it, skipping", model.label)
+                summary.busy.append(model.label)
+                return True
+            started = time.time()
+            try:
+                folder = self._local_copy(model)
+                for tasks, chat in groups:
+                    out = self.work_dir / f"{model.fingerprint}-{'chat' if chat else 'base'}.json"
+                    metrics = evaluate_in_child(Path(folder), tasks, self.include, self.cfg, chat, out, self.log)
+                    record = self.store.put(model, metrics, self.cfg.limit, time.time() - started)
+            except (EvalFailed, OSError) as err:
+                if "://" not in model.path and not Path(model.path).exists():
+                    # its step was committed (renamed) or the checkpoint pruned: the next scan finds it where it is now
+                    self.log.info("eval %s: moved while being evaluated; it is picked up at its new place", model.label)
+                    return False
+                self.log.warning("eval %s failed: %s", model.label, err)
+                summary.failed[model.label] = str(err)
+                return False
+        self._mark_evaluated(model)
+        if self.mirror is not None:
+            self.mirror.put_file(Path(self.store.root) / f"{model.fingerprint}.json", f"evals/results/{model.fingerprint}.json")
+        summary.evaluated.append(model.label)
+        self.log.info("eval %s (%s): %s", model.label, _tokens(model), headline(record))
+        return True
+
+    def run(self, models: list[ModelRef]) -> EvalSummary:
+        summary, started = EvalSummary(), time.time()
+        for model in models:
+            self.evaluate(model, summary)
+        summary.seconds = time.time() - started
+        return summary
+
+    def follow(self, discover: Callable[[], list[ModelRef]], stop: threading.Event, max_failures: int = 2) -> EvalSummary:
+        """Evaluate new checkpoints as `discover` finds them, until `stop` is set and none is left."""
+        summary, started, failures = EvalSummary(), time.time(), {}
+        while True:
+            finishing = stop.is_set()
+            todo = [m for m in discover() if self.task_groups(m) and failures.get(m.fingerprint, 0) < max_failures]
+            for model in todo:
+                if not self.evaluate(model, summary):
+                    failures[model.fingerprint] = failures.get(model.fingerprint, 0) + 1
+            if finishing and not todo:
+                break
+            if not todo:
+                stop.wait(self.cfg.poll_seconds)
+        summary.failed = {k: v for k, v in summary.failed.items() if k not in summary.evaluated}
+        summary.seconds = time.time() - started
+        return summary
+
+    def _local_copy(self, model: ModelRef) -> str:
+        """A remote model is downloaded once into the work dir (by fingerprint)."""
+        if "://" not in model.path:
+            return model.path
+        target = self.work_dir / "models" / model.fingerprint
+        if not (target / "config.json").is_file():
+            fs, root = filesystem(model.path, self.s3)
+            staging = target.with_name(f".{target.name}")
+            shutil.rmtree(staging, ignore_errors=True)
+            for key in with_retries(f"list {model.path}", lambda: fs.find(root)):
+                dest = staging / key[len(root) + 1 :]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with_retries(f"download {key}", lambda key=key, dest=dest: fs.get_file(key, str(dest)))
+            shutil.rmtree(target, ignore_errors=True)
+            staging.rename(target)
+        return str(target)
+
+    @staticmethod
+    def _mark_evaluated(model: ModelRef) -> None:
+        """Tell the trainer's checkpoint store (model/checkpoint.py) it may prune this checkpoint now."""
+        if model.kind == "checkpoint" and "://" not in model.path:
+            folder = Path(model.path).parent
+            (folder.parent / EVALUATED).mkdir(exist_ok=True)
+            (folder.parent / EVALUATED / folder.name).touch()
+
+
+def headline(record: dict) -> str:
+    """One line of the main number of each task."""
+    parts = []
+    for task, entry in sorted(record["tasks"].items()):
+        metrics = entry["metrics"]
+        key = next((k for k in ("acc", "exact_match/answer", "bits_per_byte") if k in metrics), None)
+        if key:
+            parts.append(f"{task.removeprefix('smol_')} {key.split('/')[0]} {metrics[key]:.3f}")
+    return ", ".join(parts)
+
+
+def _tokens(model: ModelRef) -> str:
+    return f"{model.tokens:,} tokens" if model.tokens else model.kind

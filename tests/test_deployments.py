@@ -1,0 +1,132 @@
+"""The deployed pipeline, end to end: a real `prefect server start`, work pool, worker and automation
+(infra/server.py), `prefect deploy --all` from prefect.yaml, and `prefect deployment run`."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from infra.server import Server
+from tests.conftest import free_port
+from tests.helpers import REPO, micro_recipe, write_recipe
+
+pytestmark = pytest.mark.slow
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+SFT_QUICK = [
+    "postrain.sft.max_steps=20",
+    "postrain.sft.weak_checkpoint_step=5",
+    "postrain.sft.logging_steps=5",
+    "postrain.data.generated=300",
+    "postrain.data.heldout=20",
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = Server(root=REPO, state=tmp_path_factory.mktemp("state"), port=free_port())
+    server.start(timeout_s=240)
+    deploy = prefect(server, "--no-prompt", "deploy", "--all")
+    assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+    yield server
+    server.stop()
+    assert server.pid("server") is None and server.pid("worker") is None
+
+
+def prefect(server: Server, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PREFECT, *args], env=server.env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def api(server: Server, path: str, body: dict | None = None):
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"{server.api_url}{path}", data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def run_deployment(server: Server, name: str, params: dict) -> str:
+    out = prefect(server, "deployment", "run", name, "--params", json.dumps(params))
+    assert out.returncode == 0, out.stdout + out.stderr
+    return re.search(r"UUID: ([0-9a-f-]{36})", out.stdout).group(1)
+
+
+def wait_final(server: Server, run_id: str, timeout_s: float = 1500) -> dict:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            run = api(server, f"/flow_runs/{run_id}")
+        except OSError:  # a busy 2-core machine: the server may answer late; ask again
+            continue
+        if run["state_type"] in ("COMPLETED", "FAILED", "CANCELLED"):
+            return run
+        time.sleep(3)
+    pytest.fail(f"flow run {run_id} did not finish in {timeout_s:.0f} s")
+
+
+def state_history(server: Server, run_id: str) -> list[str]:
+    return [s["type"] for s in api(server, f"/flow_run_states/?flow_run_id={run_id}")]
+
+
+def flow_run_processes(server: Server) -> list[psutil.Process]:
+    return psutil.Process(server.pid("worker")).children(recursive=True)
+
+
+def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_eval(server, tmp_path):
+    recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe(**{"pretrain.checkpoint.every_steps": 10}))
+    run_dir = tmp_path / "run"
+    params = {"recipe": str(recipe), "run_dir": str(run_dir), "overrides": SFT_QUICK, "until": "sft"}
+    run_id = run_deployment(server, "full-pipeline/tiny", params)
+
+    # kill the flow run's processes (flow + trainer) once a pretraining checkpoint exists: a crashed worker job
+    deadline = time.time() + 900
+    while not list((run_dir / ".partial" / "pretrain_stage1" / "checkpoints").glob("step*/checkpoint.json")):
+        assert time.time() < deadline, "pretraining never wrote a checkpoint"
+        time.sleep(0.5)
+    victims = flow_run_processes(server)
+    assert victims, "no flow run process under the worker"
+    for proc in victims:
+        proc.kill()
+
+    run = wait_final(server, run_id)
+    history = state_history(server, run_id)
+    assert run["state_type"] == "COMPLETED", history
+    assert "CRASHED" in history and run["run_count"] >= 2  # the automation put the crashed run back in the queue
+
+    # every stage ran, each model was evaluated, and the report card shows them
+    manifests = {p.parent.name for p in run_dir.glob("*/manifest.json")}
+    assert {"mixtures", "pretrain_stage1", "pretrain_long_context", "sft"} <= manifests
+    records = [json.loads(p.read_text()) for p in (run_dir / "evals" / "results").glob("*.json")]
+    labels = {r["model"]["label"] for r in records}
+    assert {"base", "sft"} <= labels and any(label.startswith("stage1/") for label in labels)
+    checkpoint_tokens = sorted(r["model"]["tokens"] for r in records if r["model"]["kind"] == "checkpoint")
+    assert checkpoint_tokens and checkpoint_tokens[0] > 0
+    card = (run_dir / "reports" / "card.md").read_text()
+    assert "## Pretraining" in card and "## Evaluations" in card and "## Post-training ladder" in card and "_not run yet_" not in card
+    assert {p.name for p in (run_dir / "reports" / "plots").glob("*.png")} == {"pretrain.png", "evals.png", "postrain.png", "wall_time.png"}
+
+    # a single stage rerun through its own deployment: finished steps are skipped, its model is not re-evaluated
+    sft_mtime = (run_dir / "sft" / "manifest.json").stat().st_mtime
+    results_before = {p.name: p.stat().st_mtime for p in (run_dir / "evals" / "results").glob("*.json")}
+    stage = wait_final(server, run_deployment(server, "sft/tiny", {"recipe": str(recipe), "run_dir": str(run_dir), "overrides": SFT_QUICK}))
+    assert stage["state_type"] == "COMPLETED"
+    assert (run_dir / "sft" / "manifest.json").stat().st_mtime == sft_mtime
+    assert {p.name: p.stat().st_mtime for p in (run_dir / "evals" / "results").glob("*.json")} == results_before
+
+    # the scheduled evaluation carries its cron schedule and scores only what has no results
+    deployment = api(server, "/deployments/name/scheduled-eval/tiny")
+    assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 * * * *"]
+    assert deployment["work_queue_name"] == "eval"
+    dropped = next(p for p in (run_dir / "evals" / "results").glob("*.json") if json.loads(p.read_text())["model"]["kind"] == "checkpoint")
+    dropped.unlink()
+    scan = wait_final(server, run_deployment(server, "scheduled-eval/tiny", {"source": str(run_dir), "work_dir": str(tmp_path / "scan")}))
+    assert scan["state_type"] == "COMPLETED"
+    after = {p.name: p.stat().st_mtime for p in (run_dir / "evals" / "results").glob("*.json")}
+    assert set(after) == set(results_before)
+    assert [name for name in after if after[name] != results_before[name]] == [dropped.name]

@@ -1,0 +1,207 @@
+"""Evaluation: lm-eval on real (micro) models, results keyed by content, locks, report card."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from infra.errors import StepLocked
+from infra.recipe import EvalCfg, parse_recipe
+from infra.steps import run_step
+from model.checkpoint import EVALUATED, CheckpointStore
+from tasks.evaluation.harness import prepare_tasks
+from tasks.evaluation.report import build_report
+from tasks.evaluation.results import ModelRef, ResultStore, local_fingerprint, models_in_run
+from tasks.evaluation.runner import Evaluator
+from tests.helpers import REPO, micro_recipe
+
+log = logging.getLogger("test")
+
+
+def save_micro_model(out: Path, seed: int) -> Path:
+    """A random 2-layer SmolLM3 with a BPE trained on the eval questions: tiny, but a real HF folder."""
+    from model.network import build_model, model_config
+    from tasks.curation.tokenizer import save_hf, train_bpe
+
+    texts = [json.loads(line)["question"] for line in (REPO / "configs" / "evals" / "arithmetic.jsonl").read_text().splitlines()]
+    tokenizer = save_hf(train_bpe(iter(texts * 3), vocab_size=400, min_frequency=2), out)
+    recipe = parse_recipe(micro_recipe(), "micro")
+    config = model_config(recipe.model, len(tokenizer), 128, special_ids={"eos_token_id": tokenizer.eos_token_id})
+    model = build_model(config, seed)
+    model.config.use_cache = True
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def heldout(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("heldout")
+    for source in ("prose", "code", "math"):
+        (root / source).mkdir()
+        with gzip.open(root / source / "00000.jsonl.gz", "wt") as f:
+            for i in range(4):
+                f.write(json.dumps({"id": f"{source}-{i}", "text": f"What is {i} + {i}? The answer is {2 * i}. " * 5}) + "\n")
+    return root
+
+
+def evaluator(tmp_path: Path, heldout: Path, cfg: EvalCfg) -> Evaluator:
+    include = prepare_tasks(cfg.task_dirs, heldout, tmp_path / "tasks")
+    return Evaluator(cfg, ResultStore(str(tmp_path / "results")), include, tmp_path / "work", log)
+
+
+def test_lm_eval_scores_a_model_once_per_content(tmp_path, heldout):
+    cfg = EvalCfg(
+        checkpoint_tasks=["smol_arithmetic_cf", "smol_arithmetic_mcf", "smol_ppl_math"],
+        model_tasks=["smol_arithmetic_gen"],
+        limit=6,
+        batch_size=8,
+    )
+    ev = evaluator(tmp_path, heldout, cfg)
+    model_dir = save_micro_model(tmp_path / "model", seed=1)
+    ref = ModelRef(str(model_dir), local_fingerprint(model_dir), "sft", "model", "sft")
+
+    first = ev.run([ref])
+    assert first.evaluated == ["sft"] and not first.failed
+    record = ev.store.get(ref.fingerprint)
+    metrics = {task: entry["metrics"] for task, entry in record["tasks"].items()}
+    assert set(metrics) == {"smol_arithmetic_cf", "smol_arithmetic_mcf", "smol_ppl_math", "smol_arithmetic_gen"}
+    assert 0 <= metrics["smol_arithmetic_cf"]["acc"] <= 1 and metrics["smol_ppl_math"]["bits_per_byte"] > 0
+    assert 0 <= metrics["smol_arithmetic_gen"]["exact_match/answer"] <= 1
+    assert all(entry["limit"] == 6 for entry in record["tasks"].values())
+
+    # the same content at another path is not evaluated again
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(model_dir), str(copy)], check=True)
+    again = ev.run([ModelRef(str(copy), local_fingerprint(copy), "sft", "model", "sft")])
+    assert again.cached == ["sft"] and again.evaluated == []
+
+    # other weights are another model; a new task is run alone on an evaluated model
+    other = save_micro_model(tmp_path / "other", seed=2)
+    assert local_fingerprint(other) != ref.fingerprint
+    wider = evaluator(tmp_path, heldout, cfg.model_copy(update={"checkpoint_tasks": cfg.checkpoint_tasks + ["smol_word_problems_cf"]}))
+    assert wider.task_groups(ref) == [(["smol_word_problems_cf"], False)]
+
+
+def test_a_failing_evaluation_is_reported_not_dropped(tmp_path, heldout):
+    cfg = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=2)
+    ev = evaluator(tmp_path, heldout, cfg)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    summary = ev.run([ModelRef(str(broken), local_fingerprint(broken), "stage1/step00000005", "checkpoint", "stage1", 5, 1280)])
+    assert list(summary.failed) == ["stage1/step00000005"] and "failed (exit" in summary.failed["stage1/step00000005"]
+    assert ev.store.get(local_fingerprint(broken)) is None
+
+
+def test_unknown_task_names_the_task_dirs(tmp_path, heldout):
+    from infra.errors import SmolflowError
+    from tasks.evaluation.harness import run_tasks
+
+    cfg = EvalCfg(checkpoint_tasks=["hellaswagg"])
+    include = prepare_tasks(cfg.task_dirs, heldout, tmp_path / "tasks")
+    with pytest.raises(SmolflowError, match="unknown lm-eval task"):
+        run_tasks(tmp_path, ["hellaswagg"], include, cfg, chat=False)
+
+
+def test_a_claimed_model_is_left_to_the_live_claimant(tmp_path):
+    store = ResultStore(str(tmp_path / "results"))
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        store.lock_dir.mkdir(parents=True)
+        holder = {"pid": sleeper.pid, "host": __import__("socket").gethostname(), "since": "now"}
+        (store.lock_dir / "abc.lock").write_text(json.dumps(holder))
+        with store.claim("abc") as owned:
+            assert owned is False
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    with store.claim("abc") as owned:  # its process is gone: the stale lock is taken over
+        assert owned is True
+    assert not (store.lock_dir / "abc.lock").exists()
+
+
+def test_step_lock_refuses_a_second_builder_and_survives_a_dead_one(tmp_path):
+    sleeper = subprocess.Popen(["sleep", "30"])
+    lock = tmp_path / ".partial" / "train.lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text(json.dumps({"pid": sleeper.pid, "host": __import__("socket").gethostname(), "since": "then"}))
+    built = []
+    try:
+        with pytest.raises(StepLocked, match=f"pid {sleeper.pid}"):
+            run_step(tmp_path, "train", {"a": 1}, {}, lambda out: built.append(out) or {})
+        assert built == []
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    out = run_step(tmp_path, "train", {"a": 1}, {}, lambda out: built.append(out) or {"ok": True})
+    assert out.summary == {"ok": True} and len(built) == 1 and not lock.exists()
+
+
+def test_prune_holds_checkpoints_until_evaluated(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=1, hold_unevaluated=2)
+    for step in (1, 2, 3, 4):
+        (store.tmp_dir() / f"step{step:08d}").mkdir(parents=True)
+        (store.tmp_dir() / f"step{step:08d}" / "w.bin").write_bytes(b"x" * step)
+        store.commit(f"step{step:08d}", step, {})
+    # newest kept, the two newest unevaluated older ones held, the oldest pruned
+    assert store.local_tags() == ["step00000002", "step00000003", "step00000004"]
+    (tmp_path / EVALUATED).mkdir()
+    (tmp_path / EVALUATED / "step00000002").touch()
+    (tmp_path / EVALUATED / "step00000003").touch()
+    store.prune()
+    assert store.local_tags() == ["step00000004"]
+
+
+def test_report_card_from_a_run_dir(tmp_path):
+    recipe = parse_recipe(micro_recipe(), "micro")
+    run = tmp_path / "run"
+    stage = run / "pretrain_stage1"
+    (stage / "checkpoints" / "step00000005" / "hf").mkdir(parents=True)
+    (stage / "checkpoints" / "step00000005" / "hf" / "config.json").write_text("{}")
+    (stage / "checkpoints" / "step00000005" / "checkpoint.json").write_text(
+        json.dumps({"step": 5, "tokens": 1280, "files": {"hf/config.json": 2}})
+    )
+    (stage / "metrics.jsonl").write_text(
+        "\n".join(
+            json.dumps({"stage": "stage1", "tokens": 256 * s, "loss": 6 - s / 10, "tokens_per_s": 900.0, "mfu": 0.2}) for s in range(1, 6)
+        )
+    )
+    (stage / "manifest.json").write_text(
+        json.dumps({"name": "pretrain_stage1", "step_id": "x", "fingerprint": "f", "seconds": 12.0, "summary": {}})
+    )
+    (run / "sft").mkdir()
+    ladder = {"eval_before": {"accuracy": 0.0, "mean_answer_tokens": 40.0}, "eval": {"accuracy": 0.25, "mean_answer_tokens": 20.0}}
+    (run / "sft" / "manifest.json").write_text(
+        json.dumps({"name": "sft", "step_id": "y", "fingerprint": "g", "seconds": 30.0, "summary": ladder})
+    )
+    models = models_in_run(run, recipe)
+    assert [(m.label, m.tokens) for m in models] == [("stage1/step00000005", 1280)]
+    store = ResultStore(str(run / "evals" / "results"))
+    store.put(models[0], {"smol_arithmetic_cf": {"acc": 0.3, "acc_norm": 0.2}, "smol_ppl_code": {"bits_per_byte": 2.5}}, 150, 3.0)
+
+    card = build_report(run, recipe)
+    text = card.path.read_text()
+    assert [p.name for p in card.plots] == ["pretrain.png", "evals.png", "postrain.png", "wall_time.png"]
+    assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in card.plots)
+    assert "| stage1 | 5 | 1,280 | 5.500 | 900 | 20.0% |" in text
+    assert "| stage1/step00000005 | 0.300 | 2.500 |" in text
+    assert "| SFT | 25.0% |  | 20.0 |" in text
+    assert "## Curation" in text and "_not run yet_" in text  # sections without data say so
+
+
+def test_a_task_without_documents_is_skipped_with_a_warning(tmp_path, heldout, caplog):
+    empty = tmp_path / "heldout"
+    (empty / "code").mkdir(parents=True)
+    with gzip.open(empty / "code" / "00000.jsonl.gz", "wt"):
+        pass  # datatrove leaves an empty shard when no document was set aside
+    cfg = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf", "smol_ppl_code"], limit=2)
+    with caplog.at_level(logging.WARNING, logger="test"):
+        ev = evaluator(tmp_path, empty, cfg)
+    assert list(ev.no_data) == ["smol_ppl_code"] and "heldout_fraction" in caplog.text
+    ref = ModelRef(str(tmp_path), "fp", "stage1/step00000005", "checkpoint", "stage1")
+    assert ev.task_groups(ref) == [(["smol_arithmetic_cf"], False)]
