@@ -17,7 +17,8 @@ def _base(ctx: RunContext):
 def sft_flow(recipe: str, run_dir: str | None = None, overrides: list[str] | None = None) -> str:
     """Chat data and supervised fine-tuning of the pretrained model; returns the SFT model's folder."""
     ctx = RunContext.load(recipe, run_dir, overrides or [])
-    sft = t.sft(ctx, t.chat_data(ctx), _base(ctx))
+    base = _base(ctx)  # fails first, naming the stage to run, when the run dir has no pretrained model
+    sft = t.sft(ctx, t.chat_data(ctx), base)
     evaluate_model(ctx, sft)
     return str(sft.path / "final")
 

@@ -118,9 +118,17 @@ def load_step(run_dir: Path, name: str, needed_by: str) -> StepOutput:
     if manifest is None:
         raise UpstreamMissing(
             f"{needed_by} needs the output of step {name!r}, which {run_dir} does not have: "
-            f"run the stage that produces it first (or `smolflow run` for the whole pipeline)"
+            f"run the stage that produces it first: `smolflow stage {producing_stage(name)} RECIPE --run-dir {run_dir}` "
+            f"(or `smolflow run` for the whole pipeline)"
         )
     return _output(manifest, Path(run_dir) / name, cached=True)
+
+
+def producing_stage(step: str) -> str:
+    """The stage (flows/pipeline.py) whose flow builds `step`."""
+    if step.startswith("pretrain_"):
+        return "pretrain"
+    return {"chat_data": "sft"}.get(step, step if step in ("sft", "preference", "apo", "grpo") else "curate")
 
 
 def run_step(

@@ -119,8 +119,13 @@ def test_tokenized_data_reads_back_to_the_same_text(planted, tmp_path):
     for path in (decont / "data" / "web").glob("*.jsonl.gz"):
         with gzip.open(path, "rt") as f:
             originals |= {json.loads(line)["text"] + tokenizer.EOS for line in f}
-    assert decoded == originals
-    assert summary["sources"]["web"] == {"tokens": len(tokens), "docs": len(ends)}
+    heldout = set()
+    for path in (tmp_path / "tokenized" / "heldout" / "web").glob("*.jsonl.gz"):
+        with gzip.open(path, "rt") as f:
+            heldout |= {json.loads(line)["text"] + tokenizer.EOS for line in f}
+    # every document is either trained on or held out for perplexity evals, never both, never neither
+    assert heldout and not decoded & heldout and decoded | heldout == originals
+    assert summary["sources"]["web"] == {"tokens": len(tokens), "docs": len(ends), "heldout_docs": len(heldout)}
 
 
 def test_chat_template_marks_assistant_turns_with_trailing_newline(tmp_path):

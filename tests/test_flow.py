@@ -150,7 +150,7 @@ def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_ser
 
     recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe(**{"pretrain.tracking": "trackio"}))
     result = full_pipeline(str(recipe), str(tmp_path / "run"), until="pretrain")
-    assert list(result) == ["curate", "pretrain"]
+    assert list(result) == ["curate", "pretrain", "evaluate"]  # the run is evaluated whatever stage it stops at
     assert result["curate"].endswith("curate.md")
     final = Path(result["pretrain"])
     model = AutoModelForCausalLM.from_pretrained(final)
@@ -195,4 +195,11 @@ def test_stage_on_an_empty_run_dir_says_what_to_run_first(tmp_path):
         cwd=REPO,
     )
     assert out.returncode == 2
-    assert "pretrain needs the output of step 'tokenize'" in out.stderr and "run the stage that produces it" in out.stderr
+    assert "pretrain needs the output of step 'tokenize'" in out.stderr and "smolflow stage curate" in out.stderr
+    sft = subprocess.run(
+        [str(Path(sys.executable).parent / "smolflow"), "stage", "sft", str(recipe), "--run-dir", str(tmp_path / "empty")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert sft.returncode == 2 and "smolflow stage pretrain" in sft.stderr, sft.stderr
