@@ -197,7 +197,8 @@ def s3_drill(work: Path, rng: random.Random, outages: int) -> tuple[int, list[st
         import s3fs
 
         s3fs.S3FileSystem(client_kwargs={"endpoint_url": f"http://127.0.0.1:{port}"}).mkdir("drill")
-        data = micro_recipe(**{"storage.s3.endpoint_url": endpoint, "storage.mirror": "s3://drill/run"})
+        data = micro_recipe()
+        data["storage"] = {"s3": {"endpoint_url": endpoint}, "mirror": "s3://drill/run"}
         recipe = write_recipe(work / "s3.yaml", data)
         run_dir, log = work / "s3run", work / "s3run.log"
         proc = start_pipeline(recipe, run_dir, log, ["evaluation.follow=false"])
@@ -278,6 +279,7 @@ def main() -> int:
     print(f"kill drill: {args.kills} SIGKILLs at random moments", flush=True)
     restarts, problems = kill_drill(recipe, work, args.kills, rng, reference_seconds)
     diffs = compare(final_metrics(work / "reference"), final_metrics(work / "killed")) if not problems else []
+    print(f"  {restarts} restarts; {len(problems)} integrity problems; {len(diffs)} metric differences", flush=True)
     print(f"s3 drill: {args.outages} outages during checkpoint uploads", flush=True)
     cuts, s3_problems = s3_drill(work, rng, args.outages)
 
