@@ -98,6 +98,17 @@ def fingerprint_url(url: str, glob: str, s3: S3Cfg | None = None) -> str:
     return digest.hexdigest()[:20]
 
 
+def download_folder(url: str, local_dir: Path, s3: S3Cfg | None = None) -> Path:
+    """Copy every file under URL into LOCAL_DIR (files already there are kept), each with retries."""
+    fs, root = filesystem(url, s3)
+    for key in with_retries(f"list {url}", lambda: fs.find(root)):
+        dest = local_dir / key[len(root) + 1 :]
+        if not dest.exists():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with_retries(f"download {key}", lambda key=key, dest=dest: fs.get_file(key, str(dest)))
+    return local_dir
+
+
 class Mirror:
     """Copies finished folders to `prefix/NAME/` and back, the folder's marker file last.
 

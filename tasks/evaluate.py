@@ -12,7 +12,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from infra.errors import SmolflowError
 from infra.recipe import Recipe, load_recipe, parse_recipe
 from infra.steps import RunContext, StepOutput
-from infra.storage import Mirror, filesystem, with_retries
+from infra.storage import Mirror, download_folder, filesystem
 from tasks.common import run_logger, stage_task
 from tasks.evaluation.harness import EvalFailed, prepare_tasks
 from tasks.evaluation.report import build_report
@@ -83,14 +83,7 @@ def evaluate_source(source: str, recipe: Recipe, work_dir: Path) -> dict:
 
 def _pull_heldout(prefix: str, s3, work_dir: Path) -> Path:
     """The mirrored tokenize step's held-out documents, for the perplexity tasks."""
-    fs, root = filesystem(prefix, s3)
-    target = work_dir / "tokenize" / "heldout"
-    for key in with_retries(f"list {prefix}/tokenize/heldout", lambda: fs.find(f"{root}/tokenize/heldout")):
-        dest = target / key[len(f"{root}/tokenize/heldout") + 1 :]
-        if not dest.exists():
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with_retries(f"download {key}", lambda key=key, dest=dest: fs.get_file(key, str(dest)))
-    return target
+    return download_folder(f"{prefix.rstrip('/')}/tokenize/heldout", work_dir / "tokenize" / "heldout", s3)
 
 
 def source_recipe(source: str, recipe_path: str | None, s3=None) -> Recipe:

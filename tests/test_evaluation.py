@@ -205,3 +205,28 @@ def test_a_task_without_documents_is_skipped_with_a_warning(tmp_path, heldout, c
     assert list(ev.no_data) == ["smol_ppl_code"] and "heldout_fraction" in caplog.text
     ref = ModelRef(str(tmp_path), "fp", "stage1/step00000005", "checkpoint", "stage1")
     assert ev.task_groups(ref) == [(["smol_arithmetic_cf"], False)]
+
+
+def test_mirrored_checkpoints_are_found_and_fingerprinted_from_s3_listings(tmp_path, s3_server):
+    import s3fs
+
+    from infra.recipe import S3Cfg
+    from infra.storage import download_folder
+    from tasks.evaluation.results import models_in_prefix
+
+    s3 = S3Cfg(endpoint_url=s3_server["endpoint"])
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server["endpoint"]})
+    fs.mkdir("evals-bucket")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"a": 1}')
+    (hf / "model.safetensors").write_bytes(b"weights" * 100)
+    remote = "evals-bucket/run/checkpoints/pretrain_stage1-abc/step00000010"
+    fs.put(str(hf), f"{remote}/hf", recursive=True)
+    fs.pipe(f"{remote}/checkpoint.json", json.dumps({"step": 10, "tokens": 2560, "files": {}}).encode())
+
+    [model] = models_in_prefix("s3://evals-bucket/run", s3)
+    assert (model.label, model.step, model.tokens, model.kind) == ("stage1/step00000010", 10, 2560, "checkpoint")
+    assert model.fingerprint == local_fingerprint(hf)  # same key as the local copy: its results are shared
+    copy = download_folder(model.path, tmp_path / "copy", s3)
+    assert local_fingerprint(copy) == model.fingerprint

@@ -15,10 +15,10 @@ from typing import Any
 
 from infra.recipe import Recipe
 from infra.steps import read_manifest
+from tasks.evaluation.results import main_metric
 
 CURATE_STEPS = ("corpus", "ingest", "filter", "dedup", "decont", "tokenizer", "tokenize", "mixtures")
 POST_LADDER = (("base", "sft", "eval_before"), ("SFT", "sft", "eval"), ("APO", "apo", "eval"), ("GRPO", "grpo", "eval"))
-MAIN_METRIC = ("acc", "exact_match/answer", "bits_per_byte")
 
 
 @dataclass
@@ -59,11 +59,6 @@ def _step_manifests(run_dir: Path) -> dict[str, dict]:
 
 def _eval_records(run_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((run_dir / "evals" / "results").glob("*.json"))]
-
-
-def _main_metric(metrics: dict[str, float]) -> tuple[str, float] | None:
-    key = next((k for k in MAIN_METRIC if k in metrics), None)
-    return (key, metrics[key]) if key else None
 
 
 def _training_order(model: dict, recipe: Recipe) -> tuple:
@@ -145,7 +140,7 @@ def _evaluations(evals: list, recipe: Recipe, plots_dir: Path, card: Card) -> li
     for record in sorted(evals, key=lambda r: _training_order(r["model"], recipe)):
         model = record["model"]
         for task, entry in sorted(record["tasks"].items()):
-            main = _main_metric(entry["metrics"])
+            main = main_metric(entry["metrics"])
             if main:
                 row = {"model": model["label"], "tokens": model.get("tokens"), "task": task, "metric": main[0], "value": round(main[1], 4)}
                 card.eval_rows.append(row)

@@ -29,6 +29,12 @@ from infra.storage import file_digest, filesystem, with_retries
 from model.checkpoint import MARKER, is_complete
 
 POST_STEPS = ("sft", "apo", "grpo")
+MAIN_METRIC = ("acc", "exact_match/answer", "bits_per_byte")  # the number a task is summed up by, in this order
+
+
+def main_metric(metrics: dict[str, float]) -> tuple[str, float] | None:
+    key = next((k for k in MAIN_METRIC if k in metrics), None)
+    return (key, metrics[key]) if key else None
 
 
 @dataclass(frozen=True)

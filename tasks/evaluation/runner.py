@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.recipe import EvalCfg, S3Cfg
-from infra.storage import Mirror, filesystem, with_retries
+from infra.storage import Mirror, download_folder
 from model.checkpoint import EVALUATED
 from tasks.evaluation.harness import EvalFailed, evaluate_in_child, tasks_without_data
-from tasks.evaluation.results import ModelRef, ResultStore
+from tasks.evaluation.results import ModelRef, ResultStore, main_metric
 
 
 @dataclass
@@ -125,13 +125,9 @@ class Evaluator:
             return model.path
         target = self.work_dir / "models" / model.fingerprint
         if not (target / "config.json").is_file():
-            fs, root = filesystem(model.path, self.s3)
             staging = target.with_name(f".{target.name}")
             shutil.rmtree(staging, ignore_errors=True)
-            for key in with_retries(f"list {model.path}", lambda: fs.find(root)):
-                dest = staging / key[len(root) + 1 :]
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                with_retries(f"download {key}", lambda key=key, dest=dest: fs.get_file(key, str(dest)))
+            download_folder(model.path, staging, self.s3)
             shutil.rmtree(target, ignore_errors=True)
             staging.rename(target)
         return str(target)
@@ -149,10 +145,8 @@ def headline(record: dict) -> str:
     """One line of the main number of each task."""
     parts = []
     for task, entry in sorted(record["tasks"].items()):
-        metrics = entry["metrics"]
-        key = next((k for k in ("acc", "exact_match/answer", "bits_per_byte") if k in metrics), None)
-        if key:
-            parts.append(f"{task.removeprefix('smol_')} {key.split('/')[0]} {metrics[key]:.3f}")
+        if main := main_metric(entry["metrics"]):
+            parts.append(f"{task.removeprefix('smol_')} {main[0].split('/')[0]} {main[1]:.3f}")
     return ", ".join(parts)
 
 
