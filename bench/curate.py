@@ -18,15 +18,16 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from datasketch import MinHash, MinHashLSH  # noqa: E402
 from datatrove.utils.text import TextNormConfig, simplify_text  # noqa: E402
 
 from infra.env import apply_offline_defaults  # noqa: E402
-from infra.recipe import parse_recipe  # noqa: E402
+from infra.recipe import load_recipe  # noqa: E402
 from tasks.curation import pipelines  # noqa: E402
-from tests.helpers import micro_recipe, write_jsonl  # noqa: E402
 
 TARGETS = (0.95, 0.9, 0.85, 0.8, 0.7)
 
@@ -86,18 +87,25 @@ def datasketch_dedup(docs: list[dict], bands: int, rows: int, n_grams: int) -> s
 
 
 def project_dedup(docs: list[dict], workdir: Path, tasks: int) -> set[str]:
-    write_jsonl(workdir / "raw" / "part0.jsonl", docs[: len(docs) // 2])
-    write_jsonl(workdir / "raw" / "part1.jsonl", docs[len(docs) // 2 :])
-    data = micro_recipe(**{"executor.tasks": tasks, "executor.workers": tasks, "curate.dedup.exact": False})
-    data["sources"] = [{"name": "web", "domain": "web", "format": "jsonl", "path": str(workdir / "raw")}]
-    data["curate"]["filters"] = {"web": {}}
-    for stage in data["pretrain"]["stages"]:
-        stage["mixture"] = {"web": 1.0}
-    recipe = parse_recipe(data, "bench")
-    pipelines.ingest(recipe, {"web": str(workdir / "raw")}, workdir / "ingest")
-    pipelines.filter_docs(recipe, workdir / "ingest", workdir / "filter")
+    raw = workdir / "raw"
+    raw.mkdir(parents=True)
+    for i, part in enumerate((docs[: len(docs) // 2], docs[len(docs) // 2 :])):
+        (raw / f"part{i}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in part))
+    web = f"[{{name: web, domain: web, format: jsonl, path: {raw}}}]"
+    phases = [f"pretrain.phases.{i}.mixture={{web: 1.0}}" for i in range(4)]
+    overrides = [
+        f"sources={web}",
+        "curate.filters={web: {}}",
+        f"executor.tasks={tasks}",
+        f"executor.workers={tasks}",
+        "curate.dedup.exact=false",
+    ]
+    recipe = load_recipe(REPO / "configs" / "micro.yaml", overrides + phases)
+    ex = recipe.executor
+    pipelines.ingest(recipe.sources, {"web": str(raw)}, ex, recipe.storage.s3, False, workdir / "ingest")
+    pipelines.filter_docs({"web": {}}, ex, workdir / "ingest", workdir / "filter")
     start = time.perf_counter()
-    pipelines.dedup(recipe, workdir / "filter", workdir / "dedup")
+    pipelines.dedup(recipe.curate.dedup, ex, workdir / "filter", workdir / "dedup")
     seconds = time.perf_counter() - start
     removed = set()
     for path in (workdir / "dedup" / "removed").rglob("*.jsonl.gz"):

@@ -35,9 +35,9 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.helpers import micro_recipe, write_recipe  # noqa: E402
 
 SMOLFLOW = str(Path(sys.executable).with_name("smolflow"))
+MICRO = REPO / "configs" / "micro.yaml"
 QUICK = ["postrain.sft.max_steps=20", "postrain.sft.weak_checkpoint_step=5", "postrain.data.generated=300", "postrain.data.heldout=20"]
 
 
@@ -197,11 +197,9 @@ def s3_drill(work: Path, rng: random.Random, outages: int) -> tuple[int, list[st
         import s3fs
 
         s3fs.S3FileSystem(client_kwargs={"endpoint_url": f"http://127.0.0.1:{port}"}).mkdir("drill")
-        data = micro_recipe()
-        data["storage"] = {"s3": {"endpoint_url": endpoint}, "mirror": "s3://drill/run"}
-        recipe = write_recipe(work / "s3.yaml", data)
         run_dir, log = work / "s3run", work / "s3run.log"
-        proc = start_pipeline(recipe, run_dir, log, ["evaluation.follow=false"])
+        settings = [f"storage.s3.endpoint_url={endpoint}", "storage.mirror=s3://drill/run", "evaluation.follow=false"]
+        proc = start_pipeline(MICRO, run_dir, log, settings)
         cut = 0
         while proc.poll() is None and cut < outages:
             uploading = list(run_dir.glob(".partial/pretrain_*/checkpoints/step*/checkpoint.json"))
@@ -220,7 +218,7 @@ def s3_drill(work: Path, rng: random.Random, outages: int) -> tuple[int, list[st
         from infra.storage import Mirror
         from model.checkpoint import MARKER
 
-        r = load_recipe(recipe)
+        r = load_recipe(MICRO, settings)
         mirror = Mirror(r.storage.mirror, r.storage.s3)
         problems = []
         for manifest in run_dir.glob("*/manifest.json"):
@@ -266,7 +264,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="smolflow-drills-"))
     work.mkdir(parents=True, exist_ok=True)
-    recipe = write_recipe(work / "micro.yaml", micro_recipe())
+    recipe = MICRO
 
     print("reference: uninterrupted run", flush=True)
     started = time.time()

@@ -22,10 +22,11 @@ import torch  # noqa: E402
 
 from infra.launch import launch_command, launch_env, run_streaming  # noqa: E402
 from infra.recipe import LauncherCfg, load_recipe  # noqa: E402
-from model.data import MixtureBatches, TokenSource, plan_stage  # noqa: E402
+from model.data import MixtureBatches, TokenSource, sample_order  # noqa: E402
 from model.network import build_model, flops_per_token, model_config, param_groups  # noqa: E402
-from model.train import TrainJob, lm_loss, measure_peak_flops  # noqa: E402
+from model.train import Schedule, TrainJob, lm_loss, measure_peak_flops  # noqa: E402
 from tasks.curation import tokenizer as bpe  # noqa: E402
+from tasks.pretrain import train_configs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,38 +50,37 @@ def bare_loop(recipe, batches: MixtureBatches, vocab: int, steps: int, warmup: i
     for step in range(warmup + steps):
         if step == warmup:
             start = time.perf_counter()
-        for mb in batches.micro_batches(step, 0):
+        for mb in batches.micro_batches(step, 0, 1):
             logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
             loss, _ = lm_loss(logits, mb["labels"], p.optimizer.z_loss)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), p.optimizer.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return steps * batches.samples_per_step * p.seq_len / (time.perf_counter() - start)
+    return steps * batches.batch_size * p.seq_len / (time.perf_counter() - start)
 
 
 def trainer(recipe, root: Path, samples: dict[str, int], steps: int, log_every: int, peak: float) -> tuple[float, dict]:
     """Tokens/s the real trainer process logs (its first window, with start-up, left out)."""
-    p = recipe.pretrain.model_copy(
+    phase1 = train_configs(recipe)[0]
+    opt = recipe.pretrain.optimizer
+    config = phase1.model_copy(
         update={
+            "samples": samples,
+            "schedule": Schedule(steps=steps, total=steps, warmup=opt.warmup_steps, decay_start=steps, peak=opt.lr, floor=opt.lr),
             "log_every": log_every,
             "tracking": "none",
+            "threads": 2,
             "checkpoint": recipe.pretrain.checkpoint.model_copy(update={"every_steps": steps}),
+            "peak_flops": peak,
         }
     )
     job = TrainJob(
-        run_name="bench",
-        stage_index=0,
-        seed=0,
-        model=recipe.model,
-        pretrain=p,
+        config=config,
         sources={n: str(root / n) for n in samples},
-        samples=samples,
         tokenizer_dir=str(root / "tok"),
         out_dir=str(root / "out"),
         checkpoint_dir=str(root / "out" / "checkpoints"),
-        total_main_steps=steps,
-        peak_flops=peak,
     )
     (root / "out").mkdir()
     (root / "job.json").write_text(job.model_dump_json())
@@ -101,7 +101,7 @@ def main() -> None:
     torch.set_num_threads(2)
     recipe = load_recipe(REPO / "configs" / "tiny.yaml")
     p = recipe.pretrain
-    per_step = p.micro_batch_size * p.grad_accum
+    per_step = p.batch_size
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         texts = (f"token{i} " * 3 for i in range(20000))
@@ -113,7 +113,7 @@ def main() -> None:
             "math": per_step * (args.steps + 10) // 3,
         }
         sources = [TokenSource(root / n) for n in samples]
-        batches = MixtureBatches(sources, plan_stage(list(samples.values()), 0, 0), p.seq_len, p.micro_batch_size, p.grad_accum, 1)
+        batches = MixtureBatches(sources, sample_order(list(samples.values()), 0, 0), p.seq_len, p.micro_batch_size, p.batch_size)
         steps = batches.steps - 5
         peak = measure_peak_flops(seconds=2.0)
         bare_before = bare_loop(recipe, batches, vocab, steps // 2, warmup=3)

@@ -6,11 +6,10 @@ the file name instead of being silently ignored halfway through a run.
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -24,6 +23,20 @@ class RecipeError(SmolflowError, ValueError):
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def operational(default: Any = ..., **kwargs: Any) -> Any:
+    """A field that changes how a step runs, never what it produces (threads, cadence, layout, endpoints).
+
+    It is marked here, once, and left out of every step's identity (infra/steps.py `identity`), so
+    editing it reruns nothing; every other field a step's config holds is part of its identity.
+    """
+    return Field(default, json_schema_extra={"operational": True}, **kwargs)
+
+
+def is_operational(field) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("operational"))
 
 
 _SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -44,6 +57,8 @@ Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
 
 
 class SlurmCfg(Strict):
+    """Where datatrove's Slurm executor submits; where a job runs does not change what it produces."""
+
     partition: str = "cpu"
     time: str = "24:00:00"
     cpus_per_task: int = Field(1, gt=0)
@@ -54,19 +69,23 @@ class SlurmCfg(Strict):
 class ExecutorCfg(Strict):
     """How datatrove runs a pipeline: locally, or scaled out on Slurm or Ray."""
 
-    kind: Literal["local", "slurm", "ray"] = "local"
-    tasks: int = Field(2, gt=0, description="shards a pipeline is split into")
-    workers: int = Field(2, gt=0, description="shards run at once (local executor)")
-    slurm: SlurmCfg = SlurmCfg()
+    kind: Literal["local", "slurm", "ray"] = operational("local")
+    tasks: int = Field(2, gt=0, description="shards a pipeline is split into (shard files and token order depend on it)")
+    workers: int = operational(2, gt=0, description="shards run at once (local executor)")
+    slurm: SlurmCfg = operational(SlurmCfg())
 
 
 class S3Cfg(Strict):
-    """Where s3:// paths live; credentials fall back to the standard AWS_* environment variables."""
+    """Where s3:// paths live; credentials fall back to the standard AWS_* environment variables.
 
-    endpoint_url: str | None = None
-    region: str | None = None
-    key: SecretStr | None = None
-    secret: SecretStr | None = None
+    All operational: the same objects read through another endpoint or key are the same data, and
+    what a source holds enters a step's identity through its content fingerprint.
+    """
+
+    endpoint_url: str | None = operational(None)
+    region: str | None = operational(None)
+    key: SecretStr | None = operational(None)
+    secret: SecretStr | None = operational(None)
 
     def storage_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {}
@@ -85,8 +104,8 @@ class S3Cfg(Strict):
 
 
 class StorageCfg(Strict):
-    s3: S3Cfg = S3Cfg()
-    mirror: str | None = Field(None, description="s3:// prefix every finished step is mirrored to")
+    s3: S3Cfg = operational(S3Cfg())
+    mirror: str | None = operational(None, description="s3:// prefix every finished step is mirrored to")
 
     @model_validator(mode="after")
     def _mirror_is_s3(self) -> StorageCfg:
@@ -128,37 +147,27 @@ class EmbeddedCorpusCfg(Strict):
     max_value: int = Field(99, gt=0, description="largest operand in generated problems")
 
 
-# Filters: recipe name -> (datatrove class path, keys that name a downloaded asset).
-FILTERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "gopher_quality": ("datatrove.pipeline.filters.GopherQualityFilter", ()),
-    "gopher_repetition": ("datatrove.pipeline.filters.GopherRepetitionFilter", ()),
-    "c4_quality": ("datatrove.pipeline.filters.C4QualityFilter", ()),
-    "fineweb_quality": ("datatrove.pipeline.filters.FineWebQualityFilter", ()),
-    "language": ("datatrove.pipeline.filters.LanguageFilter", ("model_path",)),
-    "c4_badwords": ("datatrove.pipeline.filters.C4BadWordsFilter", ("badwords_path",)),
-    "unigram_logprob": ("datatrove.pipeline.filters.UnigramLogProbFilter", ("frequencies_path",)),
-    "fasttext_classifier": ("datatrove.pipeline.filters.FastTextClassifierFilter", ("model_url",)),
-    "code_quality": ("tasks.curation.filters.CodeQualityFilter", ()),
-    "length": ("tasks.curation.filters.LengthFilter", ()),
+# The filters a recipe may name, with the keys that point at a downloaded asset (a local path or
+# s3:// URL: they cannot be fetched offline). Which datatrove class each is, and which parameters
+# it takes, is the curation code's business (tasks/curation/filters.py checks them).
+FILTER_ASSETS: dict[str, tuple[str, ...]] = {
+    "gopher_quality": (),
+    "gopher_repetition": (),
+    "c4_quality": (),
+    "fineweb_quality": (),
+    "language": ("model_path",),
+    "c4_badwords": ("badwords_path",),
+    "unigram_logprob": ("frequencies_path",),
+    "fasttext_classifier": ("model_url",),
+    "code_quality": (),
+    "length": (),
 }
-# Keys the pipeline sets itself; a recipe cannot override them.
-RESERVED_FILTER_KEYS = {"exclusion_writer", "language", "self", "args", "kwargs"}
 
 
-def filter_class(name: str) -> type:
-    module, _, cls = FILTERS[name][0].rpartition(".")
-    return getattr(__import__(module, fromlist=[cls]), cls)
-
-
-def _check_filter_params(name: str, params: dict[str, Any]) -> None:
-    if name not in FILTERS:
-        raise ValueError(f"unknown filter {name!r}; known filters: {', '.join(sorted(FILTERS))}")
-    accepted = set(inspect.signature(filter_class(name).__init__).parameters) - RESERVED_FILTER_KEYS
-    accepted |= set(FILTERS[name][1])
-    unknown = sorted(set(params) - accepted)
-    if unknown:
-        raise ValueError(f"filter {name!r} has no parameter {unknown[0]!r}; it takes: {', '.join(sorted(accepted))}")
-    for asset in FILTERS[name][1]:
+def _check_filter(name: str, params: dict[str, Any]) -> None:
+    if name not in FILTER_ASSETS:
+        raise ValueError(f"unknown filter {name!r}; known filters: {', '.join(sorted(FILTER_ASSETS))}")
+    for asset in FILTER_ASSETS[name]:
         if not params.get(asset):
             raise ValueError(
                 f"filter {name!r} needs a downloaded asset: set {asset} to a local path or s3:// URL "
@@ -183,7 +192,7 @@ class DedupCfg(Strict):
     minhash: MinhashCfg = MinhashCfg()
 
 
-class DecontCfg(Strict):
+class DecontaminateCfg(Strict):
     """Remove training documents that contain n-grams of the eval sets' items."""
 
     enabled: bool = True
@@ -214,31 +223,31 @@ class TokenizerCfg(Strict):
 
 
 class CurateCfg(Strict):
-    strict: bool = Field(False, description="fail on a malformed record instead of skipping and counting it")
+    strict: bool = operational(False, description="fail on a malformed record instead of skipping and counting it")
     filters: dict[Name, dict[str, dict[str, Any]]] = Field(
         default_factory=dict, description="domain -> filter name -> datatrove parameters"
     )
     dedup: DedupCfg = DedupCfg()
-    decontamination: DecontCfg = DecontCfg()
+    decontaminate: DecontaminateCfg = DecontaminateCfg()
     tokenizer: TokenizerCfg
     heldout_fraction: float = Field(0.01, ge=0, lt=0.5, description="documents per source kept out of training for perplexity evals")
-    examples_per_filter: int = Field(3, ge=0, description="removed documents shown in the report")
+    examples_per_filter: int = operational(3, ge=0, description="removed documents shown in the report")
 
     @model_validator(mode="after")
     def _filters_known(self) -> CurateCfg:
         for domain, filters in self.filters.items():
             for name, params in filters.items():
                 try:
-                    _check_filter_params(name, params or {})
+                    _check_filter(name, params or {})
                 except ValueError as err:
                     raise ValueError(f"filters.{domain}.{name}: {err}") from None
         return self
 
 
-class StageCfg(Strict):
-    """A pretraining stage: a token budget and the mixture of sources it is drawn from.
+class PhaseCfg(Strict):
+    """A pretraining phase (SmolLM3's "stage"): a token budget and the mixture of sources it is drawn from.
 
-    A stage with `rope_theta` is a long-context extension: it starts from the previous stage's
+    A phase with `rope_theta` is a long-context extension: it starts from the previous phase's
     weights with that RoPE base on the RoPE layers (the playbook's ABF step) and its own `seq_len`.
     """
 
@@ -246,12 +255,13 @@ class StageCfg(Strict):
     tokens: Count
     mixture: dict[Name, float]
     seq_len: int | None = Field(None, gt=0, description="defaults to pretrain.seq_len")
-    micro_batch_size: int | None = Field(None, gt=0, description="defaults to pretrain.micro_batch_size")
-    rope_theta: float | None = Field(None, gt=0, description="set on long-context stages: the raised RoPE base")
-    lr: float | None = Field(None, gt=0, description="constant learning rate of a long-context stage; default: min lr")
+    batch_size: int | None = Field(None, gt=0, description="sequences per optimizer step; defaults to pretrain.batch_size")
+    micro_batch_size: int | None = operational(None, gt=0, description="defaults to pretrain.micro_batch_size")
+    rope_theta: float | None = Field(None, gt=0, description="set on long-context phases: the raised RoPE base")
+    lr: float | None = Field(None, gt=0, description="constant learning rate of a long-context phase; default: min lr")
 
     @model_validator(mode="after")
-    def _weights(self) -> StageCfg:
+    def _weights(self) -> PhaseCfg:
         if not self.mixture:
             raise ValueError("mixture is empty")
         bad = {k: w for k, w in self.mixture.items() if not (0 < w <= 1)}
@@ -300,13 +310,15 @@ class OptimizerCfg(Strict):
     grad_clip: float = Field(1.0, gt=0)
     z_loss: float = Field(0.0, ge=0, description="weight of the logsumexp^2 penalty (0 = off)")
     warmup_steps: int = Field(100, ge=0)
-    decay_fraction: float = Field(0.1, ge=0, le=1, description="share of the main stages' steps spent decaying")
+    decay_fraction: float = Field(0.1, ge=0, le=1, description="share of the main phases' steps spent decaying")
 
 
 class CheckpointCfg(Strict):
-    every_steps: int = Field(200, gt=0)
-    every_minutes: float = Field(15, gt=0)
-    keep_last: int = Field(2, ge=1)
+    """When checkpoints are written and how many are kept: a resumed run logs the same losses either way."""
+
+    every_steps: int = operational(200, gt=0)
+    every_minutes: float = operational(15, gt=0)
+    keep_last: int = operational(2, ge=1)
 
 
 class SpikeCfg(Strict):
@@ -318,12 +330,16 @@ class SpikeCfg(Strict):
 
 
 class LauncherCfg(Strict):
-    """How trainer processes start: one process, torchrun, or the deepspeed launcher (multi-node: hostfile)."""
+    """How trainer processes start: one process, torchrun, or the deepspeed launcher (multi-node: hostfile).
 
-    kind: Literal["python", "torchrun", "deepspeed"] = "python"
-    nproc: int = Field(1, gt=0, description="ranks per node")
-    threads_per_rank: int = Field(2, gt=0)
-    hostfile: str | None = None
+    Operational: the global batch is fixed by `batch_size`, and a phase resumes its checkpoints on
+    another rank count (through DeepSpeed's universal format when ZeRO shards must be re-split).
+    """
+
+    kind: Literal["python", "torchrun", "deepspeed"] = operational("python")
+    nproc: int = operational(1, gt=0, description="ranks per node")
+    threads_per_rank: int = operational(2, gt=0)
+    hostfile: str | None = operational(None)
 
 
 class ParallelCfg(Strict):
@@ -346,38 +362,48 @@ class HardwareCfg(Strict):
 
 class PretrainCfg(Strict):
     seq_len: int = Field(gt=0)
-    max_epochs: float = Field(4.0, gt=0, description="fail when a stage repeats a source more often")
-    stages: list[StageCfg] = Field(min_length=1)
-    micro_batch_size: int = Field(8, gt=0)
-    grad_accum: int = Field(1, gt=0)
-    global_batch_tokens: Count | None = Field(None, description="intended tokens per step; the planner checks the layout")
+    max_epochs: float = Field(4.0, gt=0, description="fail when a phase repeats a source more often")
+    phases: list[PhaseCfg] = Field(min_length=1)
+    batch_size: int = Field(8, gt=0, description="sequences per optimizer step, over all ranks (the global batch)")
+    micro_batch_size: int = operational(8, gt=0, description="sequences per rank per forward pass; gradient accumulation fills the rest")
     precision: Literal["fp32", "bf16"] = "fp32"
-    zero_stage: int = Field(0, ge=0, le=3)
+    zero_stage: int = Field(
+        0, ge=0, le=3, description="a change is no resume: ZeRO-0 and sharded optimizer states do not load into each other"
+    )
     optimizer: OptimizerCfg = OptimizerCfg()
-    checkpoint: CheckpointCfg = CheckpointCfg()
+    checkpoint: CheckpointCfg = operational(CheckpointCfg())
     spike: SpikeCfg = SpikeCfg()
-    launcher: LauncherCfg = LauncherCfg()
-    parallel: ParallelCfg = ParallelCfg()
-    hardware: HardwareCfg = HardwareCfg()
-    log_every: int = Field(10, gt=0)
+    launcher: LauncherCfg = operational(LauncherCfg())
+    parallel: ParallelCfg = operational(ParallelCfg())
+    hardware: HardwareCfg = operational(HardwareCfg())
+    log_every: int = operational(10, gt=0)
     yarn_factor: float | None = Field(None, gt=1, description="YaRN factor written into the final config")
-    tracking: Literal["trackio", "none"] = "trackio"
+    tracking: Literal["trackio", "none"] = operational("trackio")
 
     @model_validator(mode="after")
     def _unique(self) -> PretrainCfg:
-        names = [s.name for s in self.stages]
+        names = [s.name for s in self.phases]
         if len(set(names)) != len(names):
-            raise ValueError(f"stage names must be unique, got {names}")
-        kinds = [s.long_context for s in self.stages]
+            raise ValueError(f"phase names must be unique, got {names}")
+        kinds = [s.long_context for s in self.phases]
         if kinds[0] or kinds != sorted(kinds):
-            raise ValueError("long-context stages (with rope_theta) come after at least one main stage, at the end")
+            raise ValueError("long-context phases (with rope_theta) come after at least one main phase, at the end")
+        for i, phase in enumerate(self.phases):
+            if self.phase_batch(phase) % self.phase_micro_batch(phase):
+                raise ValueError(
+                    f"phases[{i}] ({phase.name}): batch_size {self.phase_batch(phase)} is not a multiple of "
+                    f"micro_batch_size {self.phase_micro_batch(phase)}"
+                )
         return self
 
-    def stage_seq_len(self, stage: StageCfg) -> int:
-        return stage.seq_len or self.seq_len
+    def phase_seq_len(self, phase: PhaseCfg) -> int:
+        return phase.seq_len or self.seq_len
 
-    def stage_micro_batch(self, stage: StageCfg) -> int:
-        return stage.micro_batch_size or self.micro_batch_size
+    def phase_batch(self, phase: PhaseCfg) -> int:
+        return phase.batch_size or self.batch_size
+
+    def phase_micro_batch(self, phase: PhaseCfg) -> int:
+        return phase.micro_batch_size or self.micro_batch_size
 
 
 class HubChatCfg(Strict):
@@ -388,22 +414,17 @@ class HubChatCfg(Strict):
     limit: int | None = Field(None, gt=0)
 
 
+# The generated chat task families (postrain/data.py implements one generator per name).
+Family = Literal["arithmetic", "word_problem", "reverse_word", "count_letters"]
+
+
 class ChatDataCfg(Strict):
     generated: int = Field(4000, ge=0, description="examples generated offline (tasks of postrain/data.py)")
-    families: dict[str, float] = {"arithmetic": 0.4, "word_problem": 0.4, "reverse_word": 0.1, "count_letters": 0.1}
+    families: dict[Family, float] = {"arithmetic": 0.4, "word_problem": 0.4, "reverse_word": 0.1, "count_letters": 0.1}
     max_value: int = Field(49, gt=0)
     heldout: int = Field(200, gt=0)
     hub: list[HubChatCfg] = []
     dedup_threshold: float = Field(0.9, gt=0, le=1)
-
-    @model_validator(mode="after")
-    def _families(self) -> ChatDataCfg:
-        from postrain.data import FAMILIES
-
-        unknown = sorted(set(self.families) - set(FAMILIES))
-        if unknown:
-            raise ValueError(f"unknown family {unknown[0]!r}; families: {', '.join(FAMILIES)}")
-        return self
 
 
 class TrainerCfg(Strict):
@@ -414,8 +435,8 @@ class TrainerCfg(Strict):
     batch_size: int = Field(16, gt=0)
     grad_accum: int = Field(1, gt=0)
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
-    save_steps: int = Field(100, gt=0)
-    logging_steps: int = Field(10, gt=0)
+    save_steps: int = operational(100, gt=0)
+    logging_steps: int = operational(10, gt=0)
     max_length: int = Field(256, gt=0)
 
 
@@ -430,6 +451,14 @@ class SFTCfg(TrainerCfg):
         return self
 
 
+class GenerationCfg(Strict):
+    """How post-training steps score their model on the held-out prompts (greedy generation)."""
+
+    backend: Literal["auto", "vllm", "transformers"] = "auto"
+    max_new_tokens: int = Field(64, gt=0)
+    batch_size: int = operational(64, gt=0)
+
+
 class PreferenceCfg(Strict):
     backend: Literal["auto", "vllm", "transformers"] = "auto"
     strong: str | None = Field(None, description="model path; default: the SFT model")
@@ -437,7 +466,7 @@ class PreferenceCfg(Strict):
     prompts: int = Field(1000, gt=0)
     max_new_tokens: int = Field(64, gt=0)
     temperature: float = Field(0.0, ge=0)
-    batch_size: int = Field(64, gt=0)
+    batch_size: int = operational(64, gt=0)
     dedup_threshold: float = Field(0.9, gt=0, le=1)
 
 
@@ -470,6 +499,7 @@ class PostrainCfg(Strict):
     """SFT -> preference pairs (strong vs weak) -> APO -> GRPO, each with TRL (postrain/)."""
 
     data: ChatDataCfg = ChatDataCfg()
+    heldout_eval: GenerationCfg = GenerationCfg()
     sft: SFTCfg
     preference: PreferenceCfg = PreferenceCfg()
     apo: APOCfg
@@ -484,13 +514,13 @@ class EvalCfg(Strict):
     task_dirs: list[str] = Field(["configs/evals/tasks"], description="folders of lm-eval task YAMLs")
     include_defaults: bool = Field(False, description="also index lm-eval's built-in tasks (HellaSwag, MMLU, ...): ~35 s per call")
     limit: int | None = Field(None, gt=0, description="items per task (None: all)")
-    batch_size: int = Field(16, gt=0)
+    batch_size: int = operational(16, gt=0)
     max_length: int | None = Field(None, gt=0, description="context for perplexity windows (default: the model's)")
     backend: Literal["hf", "vllm"] = "hf"
-    follow: bool = Field(True, description="evaluate pretraining checkpoints while the trainer runs")
-    poll_seconds: float = Field(10, gt=0)
-    nice: int = Field(10, ge=0, le=19, description="CPU priority of eval processes below the trainer's")
-    threads: int = Field(1, ge=1)
+    follow: bool = operational(True, description="evaluate pretraining checkpoints while the trainer runs")
+    poll_seconds: float = operational(10, gt=0)
+    nice: int = operational(10, ge=0, le=19, description="CPU priority of eval processes below the trainer's")
+    threads: int = operational(1, ge=1)
 
 
 class Recipe(Strict):
@@ -517,14 +547,36 @@ class Recipe(Strict):
                     f"sources[{i}] ({source.name}): domain {source.domain!r} has no filter set in curate.filters "
                     f"(have: {', '.join(sorted(self.curate.filters)) or 'none'}); give it one, even an empty {{}}"
                 )
-        for i, stage in enumerate(self.pretrain.stages):
-            unknown = sorted(set(stage.mixture) - set(names))
+        for i, phase in enumerate(self.pretrain.phases):
+            unknown = sorted(set(phase.mixture) - set(names))
             if unknown:
-                raise ValueError(f"pretrain.stages[{i}].mixture: unknown source {unknown[0]!r} (sources: {names})")
+                raise ValueError(f"pretrain.phases[{i}].mixture: unknown source {unknown[0]!r} (sources: {names})")
         return self
 
     def source(self, name: str) -> SourceCfg:
         return next(s for s in self.sources if s.name == name)
+
+
+def operational_key(key: str, model: type[BaseModel] | None = None) -> bool:
+    """Whether a dotted recipe key (`pretrain.launcher.nproc`, `pretrain.phases.0.tokens`) lies under an
+    operational field, so that changing it reruns no step."""
+    model = model or Recipe
+    for part in key.split("."):
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            continue  # a list index or a dict key: stay on the same model
+        if is_operational(field):
+            return True
+        model = next((a for a in _models_in(field.annotation)), None)
+    return False
+
+
+def _models_in(annotation: Any):
+    """The pydantic models an annotation holds (`PhaseCfg` in `list[PhaseCfg]`, `S3Cfg | None`...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation
+    for arg in get_args(annotation):
+        yield from _models_in(arg)
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

@@ -1,13 +1,18 @@
-"""Steps: units of work that declare their inputs and own one folder of the run dir.
+"""Steps: a name, a typed config, upstream steps and a function; the config it receives is its identity.
 
-A step's identity is a hash of its name, its config and the content fingerprints of its inputs
-(as marin's executor steps do), so rerunning an unchanged recipe skips finished steps, and a
-changed parameter reruns that step and, through the changed fingerprints, everything downstream.
+As in marin's executor, a step's id hashes exactly what its function is given: its config (less the
+fields the schema marks operational, see infra/recipe.py `operational`), the content fingerprints
+of its upstream steps' outputs, and of any file outside the run it reads (`watch`). No call site
+writes a key by hand, so a key can neither miss a value the step reads nor include one it doesn't:
+rerunning an unchanged recipe skips every finished step, and a changed value reruns the steps
+that read it and, through the changed fingerprints, what is downstream of them.
 
-A step builds into `RUN/.partial/NAME`, and is committed by writing `manifest.json` there and
-renaming the folder into place: a step folder without a manifest, or whose manifest names
-another step id, is never taken as finished. A killed build is resumed in place when its
-partial folder belongs to the same step id (datatrove skips its finished shards).
+A step builds into `RUN/.partial/NAME` and is committed by writing `manifest.json` there and
+renaming the folder to `RUN/NAME`: a folder without a manifest, or whose manifest names another
+step id, is never taken as finished. A killed build resumes in place when its partial folder has
+the same id. Work is never deleted on an identity change: a finished or partial version with
+another id is moved to `RUN/.previous/NAME-ID` (logged, listed by the dry run), and restored
+from there if the recipe goes back to it.
 """
 
 from __future__ import annotations
@@ -17,24 +22,102 @@ import json
 import logging
 import os
 import platform
-import shutil
+import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.errors import StepLocked, UpstreamMissing
+from pydantic import BaseModel, SecretStr
+
+from infra.errors import SmolflowError, StepLocked, UpstreamMissing
 from infra.locks import lock_holder, take_lock
-from infra.recipe import Recipe, load_recipe, recipe_dump
-from infra.storage import Mirror, fingerprint_files
+from infra.recipe import Recipe, is_operational, load_recipe, parse_recipe, recipe_dump
+from infra.storage import Mirror, fingerprint_files, fsync_dir, write_json_atomic
 
 MANIFEST = "manifest.json"
+RECIPE = "recipe.json"  # the run's frozen recipe
+PREVIOUS = ".previous"  # RUN/.previous/NAME-ID[.partial]: versions moved aside when a step's identity changed
 _STEP_ID_FILE = ".step_id"
+_OWNER_FILE = ".recipe_owner"  # the flow run that froze recipe.json: its retries and relaunches read it as is
 # Folders of a step that are neither fingerprinted nor mirrored with it: logs change from run to
 # run, and checkpoints are mirrored as they are written (model/checkpoint.py).
 UNTRACKED_DIRS = ("logs", "checkpoints")
 log = logging.getLogger(__name__)
+
+
+# --- identity --------------------------------------------------------------------------------
+
+
+def identity(value: Any) -> Any:
+    """The part of a config that defines what a step produces: every field but the operational ones."""
+    if isinstance(value, BaseModel):
+        return {name: identity(getattr(value, name)) for name, f in type(value).model_fields.items() if not is_operational(f)}
+    if isinstance(value, Mapping):
+        return {str(k): identity(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [identity(v) for v in value]
+    if isinstance(value, SecretStr):
+        raise TypeError("a secret is part of a step's identity: mark its field operational")
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def step_id(name: str, config: Any, inputs: Mapping[str, str]) -> str:
+    payload = _canonical({"name": name, "config": config, "inputs": dict(sorted(inputs.items()))})
+    return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+def changed_keys(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Dotted keys whose values differ between two nested dicts (lists index as `.0`)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new), key=str):
+            out += changed_keys(old.get(key, "<unset>"), new.get(key, "<unset>"), f"{prefix}{key}.")
+        return out
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [c for i, (a, b) in enumerate(zip(old, new)) for c in changed_keys(a, b, f"{prefix}{i}.")]
+    return [] if old == new else [(prefix.rstrip("."), old, new)]
+
+
+# --- the spec --------------------------------------------------------------------------------
+
+Build = Callable[[Any, Mapping[str, "StepOutput"], Path], dict[str, Any]]
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One unit of work: `fn(config, inputs, out_dir)` writes the outputs and returns a JSON-able summary.
+
+    `inputs` maps each name of `deps` to that upstream step's StepOutput. `watch(config)` returns
+    content fingerprints of files outside the run the step reads (raw sources, eval sets). `stage`
+    is the pipeline stage whose flow builds it; `model` labels a finished HF model in `final/`, and
+    `checkpoints` the pretraining phase whose checkpoints are evaluated as they are written.
+    """
+
+    name: str
+    stage: str
+    fn: Build
+    config: BaseModel
+    deps: Mapping[str, Step] = field(default_factory=dict)
+    watch: Callable[[Any], dict[str, str]] | None = None
+    model: str | None = None
+    checkpoints: str | None = None
+
+    def fingerprints(self, inputs: Mapping[str, StepOutput | str]) -> dict[str, str]:
+        fps = {k: v.fingerprint if isinstance(v, StepOutput) else v for k, v in inputs.items()}
+        if self.watch is not None:
+            fps |= {f"file:{k}": v for k, v in self.watch(self.config).items()}
+        return fps
+
+    def step_id(self, inputs: Mapping[str, StepOutput | str]) -> str:
+        return step_id(self.name, identity(self.config), self.fingerprints(inputs))
 
 
 @dataclass(frozen=True)
@@ -50,15 +133,6 @@ class StepOutput:
     seconds: float = 0.0
 
 
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def step_id(name: str, config: Any, inputs: Mapping[str, str]) -> str:
-    payload = _canonical({"name": name, "config": config, "inputs": dict(sorted(inputs.items()))})
-    return hashlib.sha256(payload.encode()).hexdigest()[:20]
-
-
 def fingerprint_tree(root: Path, skip_dirs: tuple[str, ...] = UNTRACKED_DIRS) -> str:
     """Fingerprint of every file under `root` except the manifest and untracked folders."""
     files = []
@@ -72,25 +146,6 @@ def fingerprint_tree(root: Path, skip_dirs: tuple[str, ...] = UNTRACKED_DIRS) ->
 def building_step_id(out: Path) -> str:
     """Inside a build: the id of the step being built (e.g. to name what it mirrors)."""
     return (out / _STEP_ID_FILE).read_text()
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so that readers see the old file or the whole new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_manifest(step_dir: Path) -> dict[str, Any] | None:
@@ -112,93 +167,80 @@ def _output(manifest: dict[str, Any], path: Path, cached: bool) -> StepOutput:
     )
 
 
-def load_step(run_dir: Path, name: str, needed_by: str) -> StepOutput:
-    """A finished step of an earlier run, for a stage run on its own; says what to run if missing."""
+def finished(run_dir: Path, name: str) -> StepOutput | None:
+    """The finished step of that name in the run dir, whatever its id (for reports and discovery)."""
     manifest = read_manifest(Path(run_dir) / name)
-    if manifest is None:
-        raise UpstreamMissing(
-            f"{needed_by} needs the output of step {name!r}, which {run_dir} does not have: "
-            f"run the stage that produces it first: `smolflow stage {producing_stage(name)} RECIPE --run-dir {run_dir}` "
-            f"(or `smolflow run` for the whole pipeline)"
-        )
-    return _output(manifest, Path(run_dir) / name, cached=True)
+    return _output(manifest, Path(run_dir) / name, cached=True) if manifest else None
 
 
-def producing_stage(step: str) -> str:
-    """The stage (flows/pipeline.py) whose flow builds `step`."""
-    if step.startswith("pretrain_"):
-        return "pretrain"
-    return {"chat_data": "sft"}.get(step, step if step in ("sft", "preference", "apo", "grpo") else "curate")
+# --- building --------------------------------------------------------------------------------
 
 
-def run_step(
-    run_dir: Path,
-    name: str,
-    config: Any,
-    inputs: Mapping[str, StepOutput | str],
-    build: Callable[[Path], dict[str, Any]],
-    mirror: Mirror | None = None,
-) -> StepOutput:
-    """Return the step's outputs, building them only when no finished copy with this identity exists.
-
-    `inputs` maps an input's name to an upstream StepOutput or to a content fingerprint;
-    `build(out_dir)` writes the outputs into `out_dir` and returns a JSON-able summary.
-    """
+def run_step(run_dir: Path, step: Step, inputs: Mapping[str, StepOutput], mirror: Mirror | None = None) -> StepOutput:
+    """Return the step's outputs, building them only when no finished copy with this identity exists."""
     run_dir = Path(run_dir)
-    fingerprints = {k: v.fingerprint if isinstance(v, StepOutput) else v for k, v in inputs.items()}
-    sid = step_id(name, config, fingerprints)
-    final = run_dir / name
-
+    fingerprints = step.fingerprints(inputs)
+    sid = step_id(step.name, identity(step.config), fingerprints)
+    final = run_dir / step.name
     manifest = read_manifest(final)
     if manifest and manifest.get("step_id") == sid:
-        log.info("step %s: finished earlier (step id %s), skipping", name, sid)
+        log.info("step %s: finished earlier (step id %s), skipping", step.name, sid)
         return _output(manifest, final, cached=True)
 
-    lock = run_dir / ".partial" / f"{name}.lock"
+    lock = run_dir / ".partial" / f"{step.name}.lock"
     if not take_lock(lock):
         holder = lock_holder(lock) or {}
         raise StepLocked(
-            f"step {name} is being built by pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}; "
+            f"step {step.name} is being built by pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}; "
             f"not starting a second builder (delete {lock} if that process is gone)"
         )
     try:
-        return _build(run_dir, name, sid, config, fingerprints, build, mirror)
+        return _build(run_dir, step, sid, fingerprints, inputs, mirror)
     finally:
         lock.unlink(missing_ok=True)
 
 
-def _build(run_dir: Path, name: str, sid: str, config: Any, fingerprints: dict[str, str], build, mirror: Mirror | None) -> StepOutput:
+def _build(run_dir: Path, step: Step, sid: str, fingerprints: dict[str, str], inputs, mirror: Mirror | None) -> StepOutput:
+    name = step.name
     final, partial = run_dir / name, run_dir / ".partial" / name
     if (manifest := read_manifest(final)) and manifest.get("step_id") == sid:  # finished while we waited for the lock
         return _output(manifest, final, cached=True)
+    kept = _previous(run_dir, name, sid)
+    if (manifest := read_manifest(kept)) and manifest.get("step_id") == sid:
+        log.info("step %s: restoring the finished version %s kept in %s", name, sid, kept)
+        _commit(run_dir, kept, final)
+        return _output(manifest, final, cached=True)
     if mirror is not None and (remote := mirror.read_marker(name, MANIFEST)) and remote.get("step_id") == sid:
         log.info("step %s: pulling the finished copy from %s", name, mirror.prefix)
-        shutil.rmtree(partial, ignore_errors=True)
+        _set_aside(run_dir, partial, name)
         mirror.pull(name, partial, MANIFEST)
-        _commit(partial, final)
+        _commit(run_dir, partial, final)
         return _output(remote, final, cached=True)
     if partial.exists() and _read_text(partial / _STEP_ID_FILE) != sid:
-        shutil.rmtree(partial)
+        _set_aside(run_dir, partial, name)
+    if not partial.exists() and _previous(run_dir, name, sid, ".partial").exists():
+        log.info("step %s: resuming the partial build %s kept in %s", name, sid, PREVIOUS)
+        os.replace(_previous(run_dir, name, sid, ".partial"), partial)
     partial.mkdir(parents=True, exist_ok=True)
     (partial / _STEP_ID_FILE).write_text(sid)
 
     started = time.time()
-    summary = build(partial)
+    summary = step.fn(step.config, inputs, partial)
     seconds = round(time.time() - started, 3)
     manifest = {
         "name": name,
         "step_id": sid,
-        "config": config,
+        "config": identity(step.config),
         "inputs": fingerprints,
         "fingerprint": fingerprint_tree(partial),
         "summary": summary,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "seconds": seconds,
-        "host": {"python": platform.python_version(), "platform": platform.platform()},
+        "host": {"name": socket.gethostname(), "python": platform.python_version(), "platform": platform.platform()},
     }
     (partial / _STEP_ID_FILE).unlink()
     write_json_atomic(partial / MANIFEST, manifest)
-    _commit(partial, final)
+    _commit(run_dir, partial, final)
     if mirror is not None:
         mirror.push(final, name, MANIFEST, skip_dirs=UNTRACKED_DIRS)
     log.info("step %s: built in %.1f s", name, seconds)
@@ -212,36 +254,170 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _commit(partial: Path, final: Path) -> None:
-    """Swap the finished partial folder into place; the old copy is removed only afterwards."""
-    trash = final.parent / ".partial" / f"{final.name}.old"
-    shutil.rmtree(trash, ignore_errors=True)
-    if final.exists():
-        os.replace(final, trash)
-    os.replace(partial, final)
+def _previous(run_dir: Path, name: str, sid: str, suffix: str = "") -> Path:
+    return run_dir / PREVIOUS / f"{name}-{sid}{suffix}"
+
+
+def _set_aside(run_dir: Path, folder: Path, name: str) -> None:
+    """Move a finished or partial version of NAME with another identity to RUN/.previous (never delete it)."""
+    if not folder.exists():
+        return
+    manifest = read_manifest(folder)
+    sid = manifest["step_id"] if manifest else _read_text(folder / _STEP_ID_FILE) or "unknown"
+    target = _previous(run_dir, name, sid, "" if manifest else ".partial")
+    if target.exists():  # the same version kept earlier: add this copy beside it
+        target = target.with_name(f"{target.name}.{int(time.time())}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(folder, target)
+    log.warning(
+        "step %s: its %s version %s no longer matches the recipe; kept at %s", name, "finished" if manifest else "partial", sid, target
+    )
+
+
+def _commit(run_dir: Path, ready: Path, final: Path) -> None:
+    """Move a complete folder into place; a finished version with another id goes to RUN/.previous first."""
+    _set_aside(run_dir, final, final.name)
+    os.replace(ready, final)
     fsync_dir(final.parent)
-    shutil.rmtree(trash, ignore_errors=True)
+
+
+def kept_versions(run_dir: Path) -> list[Path]:
+    """Versions moved aside by identity changes, for the dry run to list."""
+    folder = Path(run_dir) / PREVIOUS
+    return sorted(folder.iterdir()) if folder.is_dir() else []
+
+
+# --- what a run would do ---------------------------------------------------------------------
+
+
+@dataclass
+class Status:
+    """What running a step would do now: cached, run, rerun, resume or restore, and why."""
+
+    step: Step
+    state: str
+    reason: str = ""
+    changes: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+
+def statuses(run_dir: Path, steps: Iterable[Step]) -> list[Status]:
+    """For each step (in DAG order), whether it is cached or would (re)build, with the config keys that changed."""
+    run_dir, out, current = Path(run_dir), [], {}
+    for step in steps:
+        manifest = read_manifest(run_dir / step.name)
+        changes = changed_keys(manifest["config"], identity(step.config)) if manifest else []
+        waiting = [d.name for d in step.deps.values() if current.get(d.name) is None]
+        if waiting:
+            current[step.name] = None
+            state = "rerun" if manifest else "run"
+            out.append(Status(step, state, f"after {', '.join(waiting)}", changes))
+            continue
+        fps = step.fingerprints({k: current[d.name] for k, d in step.deps.items()})
+        sid = step_id(step.name, identity(step.config), fps)
+        if manifest and manifest["step_id"] == sid:
+            current[step.name] = _output(manifest, run_dir / step.name, cached=True)
+            out.append(Status(step, "cached"))
+            continue
+        current[step.name] = None
+        inputs_changed = sorted(k for k, v in fps.items() if manifest and manifest.get("inputs", {}).get(k) != v)
+        reason = f"inputs changed: {', '.join(inputs_changed)}" if inputs_changed else ""
+        if read_manifest(_previous(run_dir, step.name, sid)):
+            out.append(Status(step, "restore", f"kept in {PREVIOUS}", changes))
+        elif _read_text(run_dir / ".partial" / step.name / _STEP_ID_FILE) == sid or _previous(run_dir, step.name, sid, ".partial").exists():
+            out.append(Status(step, "resume", "a partial build with this identity exists", changes))
+        else:
+            out.append(Status(step, "rerun" if manifest else "run", reason, changes))
+    return out
+
+
+def require(run_dir: Path, step: Step, status: Status, needed_by: str) -> StepOutput:
+    """A finished upstream step of another stage, current with the recipe (`status`); says what to run if not."""
+    output = finished(run_dir, step.name)
+    if output is None:
+        raise UpstreamMissing(
+            f"{needed_by} needs the output of step {step.name!r}, which {run_dir} does not have: run the stage that "
+            f"produces it first: `smolflow stage {step.stage} RECIPE --run-dir {run_dir}` (or `smolflow run` for the whole pipeline)"
+        )
+    if status.state != "cached":
+        changed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in status.changes) or status.reason or "its inputs changed"
+        raise UpstreamMissing(
+            f"{needed_by} needs step {step.name!r}, whose output in {run_dir} is out of date with the recipe ({changed}): "
+            f"run `smolflow stage {step.stage} RECIPE --run-dir {run_dir}` first (or `smolflow run`)"
+        )
+    return output
+
+
+# --- one run of a recipe ---------------------------------------------------------------------
+
+_OPENED: dict[Path, Recipe] = {}  # run dir -> recipe read in this process (it may hold secrets recipe.json masks)
 
 
 @dataclass(frozen=True)
-class RunContext:
-    """One run of a recipe: the validated recipe, its run dir, and where finished steps are mirrored."""
+class Run:
+    """One run of a recipe: its run dir, the recipe frozen there at creation, and the S3 mirror."""
 
     recipe: Recipe
     run_dir: Path
     mirror: Mirror | None
+    changes: tuple[tuple[str, Any, Any], ...] = ()  # recipe keys changed against the frozen recipe when opened
 
     @classmethod
-    def load(cls, recipe_path: str, run_dir: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunContext:
-        recipe = load_recipe(recipe_path, overrides)
-        root = Path(run_dir) if run_dir else Path("runs") / recipe.name
-        root.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(root / "recipe.json", recipe_dump(recipe))
+    def open(
+        cls,
+        recipe_path: str | None,
+        run_dir: str | None = None,
+        overrides: Iterable[str] = (),
+        owner: str | None = None,
+        freeze: bool = True,
+    ) -> Run:
+        """The run in RUN_DIR. Without a recipe path, or for a relaunch of the flow run (`owner`) that froze
+        it, the frozen recipe; with one, that recipe: a difference from the frozen one is returned in
+        `changes` (and logged), and the new recipe frozen in its place when `freeze`."""
+        new = load_recipe(recipe_path, list(overrides)) if recipe_path else None
+        root = Path(run_dir) if run_dir else Path("runs") / new.name if new else None
+        if root is None:
+            raise SmolflowError("give a recipe or a run dir holding one (recipe.json)")
+        frozen = _read_json(root / RECIPE)
+        if frozen is None and new is None:
+            raise SmolflowError(f"{root} holds no run (no {RECIPE}): pass the recipe")
+        reuse = new is None or (owner is not None and _read_text(root / _OWNER_FILE) == owner)
+        if reuse and frozen is not None:
+            recipe = _OPENED.get(root.resolve())
+            if recipe is None or recipe_dump(recipe) != frozen:
+                recipe = frozen_recipe(frozen, str(root / RECIPE))
+            return cls._make(recipe, root)
+        changes = tuple(changed_keys(frozen, recipe_dump(new))) if frozen is not None else ()
+        for key, old, value in changes:
+            log.warning("recipe of %s: %s changed: %r -> %r", root, key, old, value)
+        if freeze:
+            root.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(root / RECIPE, recipe_dump(new))
+            (root / _OWNER_FILE).write_text(owner or "")
+            _OPENED[root.resolve()] = new
+        run = cls._make(new, root, changes)
+        if freeze and run.mirror is not None:
+            run.mirror.put_file(root / RECIPE, RECIPE)
+        return run
+
+    @classmethod
+    def _make(cls, recipe: Recipe, root: Path, changes: tuple = ()) -> Run:
         mirror = Mirror(recipe.storage.mirror, recipe.storage.s3) if recipe.storage.mirror else None
-        return cls(recipe=recipe, run_dir=root, mirror=mirror)
+        return cls(recipe=recipe, run_dir=root, mirror=mirror, changes=changes)
 
-    def step(self, name: str, config: Any, inputs: Mapping[str, StepOutput | str], build: Callable[[Path], dict[str, Any]]) -> StepOutput:
-        return run_step(self.run_dir, name, config, inputs, build, self.mirror)
+    def build(self, step: Step, inputs: Mapping[str, StepOutput]) -> StepOutput:
+        return run_step(self.run_dir, step, inputs, self.mirror)
 
-    def load_step(self, name: str, needed_by: str) -> StepOutput:
-        return load_step(self.run_dir, name, needed_by)
+
+def frozen_recipe(data: dict[str, Any], source: str) -> Recipe:
+    """A recipe.json back as a Recipe; its masked secrets are dropped (credentials come from AWS_*)."""
+    data = json.loads(json.dumps(data))
+    for secret in ("key", "secret"):
+        data.get("storage", {}).get("s3", {}).pop(secret, None)
+    return parse_recipe(data, source)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None

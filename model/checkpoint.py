@@ -20,12 +20,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from infra.steps import fsync_dir, write_json_atomic
-from infra.storage import Mirror
+from infra.storage import Mirror, fsync_dir, write_json_atomic
 
 MARKER = "checkpoint.json"
 LATEST = "latest.json"
-EVALUATED = ".evaluated"  # ROOT/.evaluated/TAG: written by the evaluator once TAG is scored
+EVALUATED = ".evaluated"  # ROOT/.evaluated/TAG: TAG was scored (see mark_evaluated)
 log = logging.getLogger(__name__)
 
 
@@ -42,6 +41,17 @@ def weights_only_engine(engine) -> None:
         return torch.load(path, map_location=map_location, weights_only=True)
 
     engine.checkpoint_engine.load = load
+
+
+def mark_evaluated(checkpoint: Path) -> None:
+    """The evaluator's side of the store's protocol: ROOT/TAG was scored, so `prune` may delete it now.
+
+    Until then the store holds up to `hold_unevaluated` checkpoints past `keep_last`, so an
+    evaluator that falls behind the trainer still scores every checkpoint.
+    """
+    checkpoint = Path(checkpoint)
+    (checkpoint.parent / EVALUATED).mkdir(exist_ok=True)
+    (checkpoint.parent / EVALUATED / checkpoint.name).touch()
 
 
 def tag_for(step: int) -> str:

@@ -1,6 +1,6 @@
 """Packed pretraining batches drawn from the per-source token files by the stage's mixture.
 
-The order of a stage's samples is fixed by (seed, stage): each source contributes exactly the
+The order of a phase's samples is fixed by (seed, phase): each source contributes exactly the
 number of `seq_len` windows its mixture manifest gives it, shuffled together once. Sample `j` is
 therefore a pure function of `j`, so a resumed run sees exactly the batches the uninterrupted run
 would have, with no reader state to save beyond the step.
@@ -58,41 +58,41 @@ class TokenSource:
 
 
 @dataclass(frozen=True)
-class StagePlan:
-    """Which source and which window every sample of a stage reads."""
+class SampleOrder:
+    """Which source and which window every sample of a phase reads."""
 
     source_of: np.ndarray  # sample -> source index
     window_of: np.ndarray  # sample -> window index within its source
 
 
-def plan_stage(samples_per_source: list[int], seed: int, stage_index: int) -> StagePlan:
+def sample_order(samples_per_source: list[int], seed: int, phase_index: int) -> SampleOrder:
     source_of = np.repeat(np.arange(len(samples_per_source), dtype=np.int32), samples_per_source)
-    rng = np.random.default_rng([seed, stage_index])
+    rng = np.random.default_rng([seed, phase_index])
     rng.shuffle(source_of)
     window_of = np.empty(len(source_of), dtype=np.int64)
     for s in range(len(samples_per_source)):
         where = source_of == s
         window_of[where] = np.arange(where.sum())
-    return StagePlan(source_of, window_of)
+    return SampleOrder(source_of, window_of)
 
 
 class MixtureBatches:
-    """Batches of a stage: `batch(step, rank, world)` is a pure function of its arguments."""
+    """Batches of a phase: step `s` trains on samples `s*batch_size ... (s+1)*batch_size - 1`, whatever
+    the rank count; `micro_batches(step, rank, world)` is a pure function of its arguments."""
 
-    def __init__(self, sources: list[TokenSource], plan: StagePlan, seq_len: int, micro_batch: int, grad_accum: int, world_size: int):
-        self.sources, self.plan, self.seq_len = sources, plan, seq_len
-        self.micro_batch, self.grad_accum, self.world_size = micro_batch, grad_accum, world_size
-        self.samples_per_step = micro_batch * grad_accum * world_size
-        self.steps = len(plan.source_of) // self.samples_per_step
+    def __init__(self, sources: list[TokenSource], order: SampleOrder, seq_len: int, micro_batch: int, batch_size: int):
+        self.sources, self.plan, self.seq_len = sources, order, seq_len
+        self.micro_batch, self.batch_size = micro_batch, batch_size
+        self.steps = len(order.source_of) // batch_size
 
-    def micro_batches(self, step: int, rank: int) -> list[dict[str, torch.Tensor]]:
-        """The `grad_accum` micro-batches rank `rank` trains on at optimizer step `step`."""
-        first = step * self.samples_per_step + rank * self.micro_batch * self.grad_accum
-        out = []
-        for m in range(self.grad_accum):
-            idx = range(first + m * self.micro_batch, first + (m + 1) * self.micro_batch)
-            out.append(self.collate([self.sample(j) for j in idx]))
-        return out
+    def micro_batches(self, step: int, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+        """The micro-batches rank `rank` of `world` trains on at optimizer step `step`: its slice of the batch."""
+        share = self.batch_size // world
+        first = step * self.batch_size + rank * share
+        return [
+            self.collate([self.sample(j) for j in range(start, min(start + self.micro_batch, first + share))])
+            for start in range(first, first + share, self.micro_batch)
+        ]
 
     def sample(self, j: int) -> tuple[np.ndarray, np.ndarray]:
         source = self.sources[self.plan.source_of[j]]

@@ -1,10 +1,13 @@
-"""The pretraining loop: one stage of SmolLM3 pretraining under `deepspeed.initialize`.
+"""The pretraining loop: one phase of SmolLM3 pretraining under `deepspeed.initialize`.
 
 Run as its own process(es) by a launcher (`python -m model.train JOB.json`, torchrun or the
-deepspeed launcher); the Prefect task that starts it streams its output. A stage resumes from its
+deepspeed launcher); the Prefect task that starts it streams its output. A phase resumes from its
 newest complete checkpoint; its batches are a pure function of the step (model/data.py), and the
 RNG state and step travel in the checkpoint, so a killed and resumed run logs the same losses as
-one that was never interrupted.
+one that was never interrupted, on any number of ranks (the global batch is fixed by the config).
+
+The job carries resolved values (the learning-rate schedule, sample counts, paths), not the
+recipe: `TrainConfig` is exactly what the pipeline's step for this phase hashes.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,63 +29,92 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
-from infra.recipe import ModelCfg, PretrainCfg, S3Cfg
+from infra.recipe import CheckpointCfg, ModelCfg, S3Cfg, SpikeCfg, Strict, operational
 from infra.storage import Mirror
 from model.checkpoint import MARKER, CheckpointStore, tag_for, weights_only_engine
-from model.data import IGNORE, MixtureBatches, TokenSource, flatten, plan_stage
+from model.data import IGNORE, MixtureBatches, TokenSource, flatten, sample_order
 from model.network import build_model, flops_per_token, long_context_config, model_config, param_groups, with_yarn
 
 
+class Schedule(Strict):
+    """The learning rate of every step of a phase, resolved from the whole recipe (warmup-stable-decay)."""
+
+    steps: int  # optimizer steps of this phase
+    offset: int = 0  # steps of the main phases before this one: the schedule is global
+    total: int = 1  # steps of all main phases
+    warmup: int = 0
+    decay_start: int = 1  # global step where the linear decay to `floor` begins
+    peak: float
+    floor: float
+    constant: float | None = None  # a long-context phase trains at this constant rate
+
+    def lr(self, step: int) -> float:
+        if self.constant is not None:
+            return self.constant
+        g = self.offset + step
+        if g < self.warmup:
+            return self.peak * (g + 1) / self.warmup
+        if g < self.decay_start:
+            return self.peak
+        progress = min(1.0, (g - self.decay_start + 1) / max(1, self.total - self.decay_start))
+        return self.peak + (self.floor - self.peak) * progress
+
+
+class TrainConfig(Strict):
+    """One phase's training: its identity is every field but the operational ones."""
+
+    phase: str
+    index: int
+    seed: int
+    model: ModelCfg
+    samples: dict[str, int]  # source name -> seq_len windows this phase draws from it
+    seq_len: int
+    batch_size: int  # sequences per optimizer step over all ranks
+    schedule: Schedule
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    z_loss: float = 0.0
+    precision: str = "fp32"
+    zero_stage: int = 0
+    spike: SpikeCfg = SpikeCfg()
+    rope_theta: float | None = None  # a long-context phase: the raised RoPE base
+    yarn_factor: float | None = None  # the last phase writes YaRN settings into its final config
+    micro_batch_size: int = operational(8)
+    checkpoint: CheckpointCfg = operational(CheckpointCfg())
+    threads: int = operational(2)
+    log_every: int = operational(10)
+    tracking: str = operational("trackio")
+    project: str = operational("smolflow")  # the tracking project
+    peak_flops: float | None = operational(None)  # per rank; a matmul probe when None
+    hold_unevaluated: int = operational(0)  # checkpoints kept past keep_last until the evaluator scored them
+
+    @property
+    def long_context(self) -> bool:
+        return self.rope_theta is not None
+
+
 class TrainJob(BaseModel):
-    """Everything one stage's trainer needs; written by the Prefect task as JSON (no secrets in it)."""
+    """A phase's config plus where things are; written by the Prefect task as JSON (no secrets in it)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    run_name: str  # the recipe's name: the tracking project
-    stage_index: int
-    seed: int
-    model: ModelCfg
-    pretrain: PretrainCfg
+    config: TrainConfig
     sources: dict[str, str]  # source name -> folder of .ds files
-    samples: dict[str, int]  # source name -> seq_len windows this stage draws from it
     tokenizer_dir: str
-    out_dir: str  # the stage's step folder: final HF model, metrics, summary
+    out_dir: str  # the phase's step folder: final HF model, metrics, summary
     checkpoint_dir: str
-    init_from: str | None = None  # previous stage's checkpoint root (main stage) or final model (long context)
-    init_remote: str | None = None  # the previous stage's checkpoints on the mirror
-    remote_name: str = ""  # this stage's checkpoints on the mirror
-    step_offset: int = 0  # optimizer steps of the main stages before this one (the schedule is global)
-    total_main_steps: int = 1
-    last_stage: bool = False
+    init_from: str | None = None  # previous phase's checkpoint root (main phase) or final model (long context)
+    init_remote: str | None = None  # the previous phase's checkpoints on the mirror
+    remote_name: str = ""  # this phase's checkpoints on the mirror
     mirror: str | None = None  # s3:// prefix for checkpoints; credentials come from the environment
     s3_endpoint: str | None = None
     s3_region: str | None = None
-    peak_flops: float | None = None  # per rank; measured with a matmul probe when None
     stop_after_steps: int | None = None  # testing and drills: exit after this many steps of this run
-    hold_unevaluated: int = 0  # checkpoints kept past keep_last until the evaluator has scored them
-
-    @property
-    def stage(self):
-        return self.pretrain.stages[self.stage_index]
 
 
-def wsd_lr(step: int, total: int, opt) -> float:
-    """Warmup-stable-decay: linear warmup, constant, then linear decay over the last `decay_fraction`."""
-    peak, floor = opt.lr, opt.lr * opt.min_lr_ratio
-    if step < opt.warmup_steps:
-        return peak * (step + 1) / opt.warmup_steps
-    decay_start = total - int(total * opt.decay_fraction)
-    if step < decay_start:
-        return peak
-    progress = min(1.0, (step - decay_start + 1) / max(1, total - decay_start))
-    return peak + (floor - peak) * progress
-
-
-def stage_lr(job: TrainJob, global_step: int) -> float:
-    opt = job.pretrain.optimizer
-    if job.stage.long_context:
-        return job.stage.lr or opt.lr * max(opt.min_lr_ratio, 0.1)
-    return wsd_lr(global_step, job.total_main_steps, opt)
+# --- process and engine -------------------------------------------------------------------------
 
 
 def die_with_parent() -> None:
@@ -105,7 +138,8 @@ def setup_distributed() -> tuple[int, int]:
     if not torch.cuda.is_available():
         # the shared-memory allreduce op is compiled with g++ on first use (minutes); gloo needs none of it
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
@@ -124,18 +158,63 @@ def measure_peak_flops(seconds: float = 1.5, n: int = 1024) -> float:
     return best
 
 
-def ds_config(job: TrainJob, micro_batch: int) -> dict[str, Any]:
-    p = job.pretrain
+def grad_accum(cfg: TrainConfig, world: int) -> int:
+    """Micro-batches per rank and step: the global batch is fixed, the rank count is not."""
+    per_pass = cfg.micro_batch_size * world
+    if cfg.batch_size % per_pass:
+        raise ValueError(
+            f"{cfg.phase}: batch_size {cfg.batch_size} is not a multiple of micro_batch_size {cfg.micro_batch_size} x {world} rank(s)"
+        )
+    return cfg.batch_size // per_pass
+
+
+def ds_config(cfg: TrainConfig, world: int) -> dict[str, Any]:
     return {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": p.grad_accum,
-        "gradient_clipping": p.optimizer.grad_clip,
-        "zero_optimization": {"stage": p.zero_stage},
-        "bf16": {"enabled": p.precision == "bf16"},
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum(cfg, world),
+        # the loop owns the optimizer step: a skipped batch then never reaches the optimizer
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": cfg.precision == "bf16"},
         # a torch AdamW instead of DeepSpeed's (whose CPU build compiles FusedAdam for a minute)
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
+
+
+def initial_model(job: TrainJob, vocab_size: int, special_ids: dict[str, int], init_tag: str | None):
+    """Fresh weights for phase 1; the previous phase's config for later main phases (its DeepSpeed
+    checkpoint is loaded after initialize); the previous weights with raised RoPE theta for long context."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = job.config
+    if job.init_from is None:
+        return build_model(model_config(cfg.model, vocab_size, cfg.seq_len, special_ids=special_ids), cfg.seed)
+    if cfg.long_context:
+        config = long_context_config(AutoConfig.from_pretrained(job.init_from), cfg.seq_len, cfg.rope_theta)
+        model = AutoModelForCausalLM.from_pretrained(job.init_from, config=config, dtype=torch.float32)
+        model.config.use_cache = False
+        return model
+    return build_model(AutoConfig.from_pretrained(Path(job.init_from) / init_tag / "hf"), cfg.seed)
+
+
+def build_engine(job: TrainJob, world: int, vocab_size: int, special_ids: dict[str, int], init_tag: str | None, universal: bool):
+    import deepspeed
+
+    cfg = job.config
+    model = initial_model(job, vocab_size, special_ids, init_tag)
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.schedule.peak, betas=cfg.betas, eps=cfg.eps)
+    config = ds_config(cfg, world) | ({"checkpoint": {"load_universal": True}} if universal else {})
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    weights_only_engine(engine)
+    if world == 1 and cfg.zero_stage == 0:
+        # one rank: the gradient all-reduce is a copy for nothing (ZeRO still needs it: it partitions there)
+        engine.enable_backward_allreduce = False
+    return engine, optimizer
+
+
+# --- one step ---------------------------------------------------------------------------------
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,24 +228,85 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, z_loss: float) -> tuple[
     return ce + z_loss * (lse**2).mean(), ce
 
 
-class Tracker:
-    """metrics.jsonl in the stage folder (the record) and trackio (the dashboard) on rank 0."""
+@dataclass
+class SpikeGuard:
+    """Decides, batch by batch and before its backward, whether a step's update must be dropped.
 
-    def __init__(self, job: TrainJob, rank: int, config: dict):
+    A non-finite loss always is (its gradients would poison the weights); a spike (loss above
+    `factor` x its running mean) is for the `skip` and `rollback` policies; `warn` only logs it.
+    """
+
+    cfg: SpikeCfg
+    ema: float | None = None
+    skip_steps: set[int] = field(default_factory=set)  # steps a rollback decided never to train on
+
+    def spiked(self, step: int, loss: float) -> bool:
+        return self.ema is not None and step >= self.cfg.warmup_steps and loss > self.cfg.factor * self.ema
+
+    def drop(self, step: int, loss: float) -> bool:
+        return not math.isfinite(loss) or step in self.skip_steps or (self.cfg.policy != "warn" and self.spiked(step, loss))
+
+    def update(self, loss: float) -> None:
+        self.ema = loss if self.ema is None else 0.95 * self.ema + 0.05 * loss
+
+
+def agree(value: float, op) -> float:
+    """The same number on every rank (a sum or max over ranks), so every rank takes the same decision."""
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def train_step(engine, batches: list[dict[str, torch.Tensor]], cfg: TrainConfig, drop) -> tuple[float, bool]:
+    """Forward and backward this rank's micro-batches, then one optimizer update unless `drop(loss)` says
+    a batch must not be trained on (on any rank): then no backward of it, gradients discarded, and the
+    optimizer not called at all (no moment, weight-decay or step-count change). Returns (mean loss, dropped)."""
+    import torch.distributed as dist
+
+    flash = engine.module.config._attn_implementation == "flash_attention_2"
+    bf16 = cfg.precision == "bf16" and not torch.cuda.is_available()
+    losses, dropped = [], False
+    for batch in batches:
+        batch = flatten(batch) if flash else batch
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        loss, ce = lm_loss(logits, batch["labels"], cfg.z_loss)
+        losses.append(ce.item())
+        if drop(losses[-1]) or not math.isfinite(loss.item()):
+            dropped = True
+            break
+        engine.backward(loss)
+    dropped = agree(float(dropped), dist.ReduceOp.MAX) > 0
+    mean = agree(sum(losses) / len(losses), dist.ReduceOp.SUM) / dist.get_world_size()
+    if dropped:
+        engine.optimizer.zero_grad() if engine.zero_optimization() or cfg.precision == "bf16" else engine.zero_grad()
+    else:
+        engine.step()
+    return mean, dropped
+
+
+# --- the phase ----------------------------------------------------------------------------------
+
+
+class Tracker:
+    """metrics.jsonl in the phase folder (the record) and trackio (the dashboard) on rank 0."""
+
+    def __init__(self, job: TrainJob, rank: int):
+        cfg = job.config
         self.enabled = rank == 0
         self.path = Path(job.out_dir) / "metrics.jsonl"
         self.run = None
-        if self.enabled and job.pretrain.tracking == "trackio":
+        if self.enabled and cfg.tracking == "trackio":
             try:
                 import trackio  # its folder comes from TRACKIO_DIR, set by the launching task
 
+                config = cfg.model_dump(mode="json", exclude={"samples"})
                 self.run = trackio.init(
-                    project=f"smolflow-{job.run_name}",
-                    name=job.stage.name,
-                    config=config,
-                    resume="allow",
-                    auto_log_cpu=False,
-                    auto_log_gpu=False,
+                    project=f"smolflow-{cfg.project}", name=cfg.phase, config=config, resume="allow", auto_log_cpu=False, auto_log_gpu=False
                 )
             except Exception as err:  # the dashboard is optional; metrics.jsonl is not
                 print(f"warning: trackio unavailable ({err}); metrics go to {self.path} only", flush=True)
@@ -188,28 +328,164 @@ class Tracker:
             trackio.finish()
 
 
-def load_sources(job: TrainJob) -> tuple[list[TokenSource], list[int]]:
-    names = list(job.stage.mixture)
-    return [TokenSource(Path(job.sources[n])) for n in names], [job.samples[n] for n in names]
+@dataclass
+class Window:
+    """Loss and throughput since the last log line."""
+
+    started: float = field(default_factory=time.time)
+    loss: float = 0.0
+    steps: int = 0
+
+    def metrics(self, cfg: TrainConfig, step: int, lr: float, engine, tokens_per_step: int, fpt: float, peak: float, world: int) -> dict:
+        elapsed = max(time.time() - self.started, 1e-9)
+        tok_s = self.steps * tokens_per_step / elapsed
+        norm = engine.get_global_grad_norm()
+        return {
+            "phase": cfg.phase,
+            "step": step,
+            "global_step": cfg.schedule.offset + step,
+            "tokens": (cfg.schedule.offset + step) * tokens_per_step,
+            "loss": self.loss / max(self.steps, 1),
+            "lr": lr,
+            "grad_norm": float(norm) if norm is not None else math.nan,
+            "tokens_per_s": tok_s,
+            "mfu": tok_s / world * fpt / peak,
+            "eta_s": (cfg.schedule.steps - step) * elapsed / max(self.steps, 1),
+        }
 
 
-def initial_model(job: TrainJob, vocab_size: int, special_ids: dict[str, int], init_tag: str | None):
-    """Fresh weights for stage 1; the previous stage's config for later main stages (its DeepSpeed
-    checkpoint is loaded after initialize); the previous weights with raised RoPE theta for long context."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def train(job: TrainJob) -> dict[str, Any]:
+    from transformers import AutoTokenizer
 
-    seq_len = job.pretrain.stage_seq_len(job.stage)
-    if job.init_from is None:
-        config = model_config(job.model, vocab_size, seq_len, special_ids=special_ids)
-        return build_model(config, job.seed)
-    if job.stage.long_context:
-        previous = AutoConfig.from_pretrained(job.init_from)
-        config = long_context_config(previous, seq_len, job.stage.rope_theta)
-        model = AutoModelForCausalLM.from_pretrained(job.init_from, config=config, dtype=torch.float32)
-        model.config.use_cache = False
-        return model
-    config = AutoConfig.from_pretrained(Path(job.init_from) / init_tag / "hf")
-    return build_model(config, job.seed)
+    die_with_parent()
+    cfg = job.config
+    torch.set_num_threads(cfg.threads)
+    rank, world = setup_distributed()
+    say = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
+    store, init_tag, latest, load_from, universal = restore_point(job, rank, world)
+    tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir)
+    special = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None}
+    engine, optimizer = build_engine(job, world, len(tokenizer), special, init_tag, universal)
+    sources = [TokenSource(Path(job.sources[n])) for n in cfg.samples]
+    order = sample_order(list(cfg.samples.values()), cfg.seed, cfg.index)
+    data = MixtureBatches(sources, order, cfg.seq_len, cfg.micro_batch_size, cfg.batch_size)
+    guard = SpikeGuard(cfg.spike)
+    step = load(engine, load_from, guard, optimizer_only=latest is None) if load_from else 0
+    say(
+        f"resumed {cfg.phase} from checkpoint {latest} (step {step}/{cfg.schedule.steps})"
+        if latest
+        else f"{cfg.phase}: continuing from {job.init_from}/{init_tag} (weights and optimizer state)"
+        if init_tag
+        else f"{cfg.phase}: from scratch"
+    )
+    fpt, peak = flops_per_token(engine.module.config, cfg.seq_len), cfg.peak_flops or measure_peak_flops()
+    tracker, tokens_per_step = Tracker(job, rank), cfg.batch_size * cfg.seq_len
+    say(
+        f"{cfg.phase}: {cfg.schedule.steps} steps x {tokens_per_step:,} tokens, seq {cfg.seq_len}, {world} rank(s) x "
+        f"{grad_accum(cfg, world)} micro-batch(es) of {cfg.micro_batch_size}, {sum(q.numel() for q in engine.module.parameters()):,} params"
+    )
+    window, last_save, saves, first, dropped_steps = Window(), time.time(), [], step, []
+    while step < cfg.schedule.steps:
+        if job.stop_after_steps is not None and step - first >= job.stop_after_steps:
+            break
+        lr = cfg.schedule.lr(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss, dropped = train_step(engine, data.micro_batches(step, rank, world), cfg, lambda value, s=step: guard.drop(s, value))
+        if guard.spiked(step, loss) or not math.isfinite(loss):
+            say(
+                f"loss spike at step {step}: {loss:.3f} vs running mean {guard.ema:.3f} (policy: {cfg.spike.policy}"
+                f"{', update dropped' if dropped else ''})"
+            )
+            if cfg.spike.policy == "rollback" and step not in guard.skip_steps and store.local_tags():
+                spiked = step
+                step = load(engine, (store.root, broadcast(store.latest() if rank == 0 else None)), guard)
+                guard.skip_steps.add(spiked)
+                say(f"rolled back to step {step}; the batch of step {spiked} will be skipped")
+                continue
+        if dropped:
+            dropped_steps.append(step)
+        else:
+            guard.update(loss)
+        step += 1
+        window.loss, window.steps = window.loss + loss, window.steps + 1
+        if step % cfg.log_every == 0 or step == cfg.schedule.steps:
+            metrics = window.metrics(cfg, step, lr, engine, tokens_per_step, fpt, peak, world)
+            tracker.log(metrics)
+            say(
+                f"[{cfg.phase}] step {step}/{cfg.schedule.steps} | loss {metrics['loss']:.4f} | lr {lr:.2e} | "
+                f"{metrics['tokens_per_s']:,.0f} tok/s | MFU {metrics['mfu']:.1%} | eta {metrics['eta_s']:.0f}s"
+            )
+            window = Window()
+        if (
+            step % cfg.checkpoint.every_steps == 0
+            or time.time() - last_save > cfg.checkpoint.every_minutes * 60
+            or step == cfg.schedule.steps
+        ):
+            begun = time.time()
+            save(
+                engine, store, step, guard, {"phase": cfg.phase, "tokens": (cfg.schedule.offset + step) * tokens_per_step}, rank, tokenizer
+            )
+            last_save = time.time()
+            saves.append(last_save - begun)
+    return finish(job, engine, store, tokenizer, tracker, rank, step, guard, saves, dropped_steps)
+
+
+def restore_point(job: TrainJob, rank: int, world: int):
+    """This phase's checkpoint store, the previous phase's checkpoint to start from, this phase's newest
+    checkpoint, and what to load (in DeepSpeed's universal format when saved by another rank count)."""
+    cfg = job.config
+    mirror = Mirror(job.mirror, S3Cfg(endpoint_url=job.s3_endpoint, region=job.s3_region)) if job.mirror else None
+    store = CheckpointStore(Path(job.checkpoint_dir), cfg.checkpoint.keep_last, mirror, job.remote_name, cfg.hold_unevaluated)
+    init_tag = None
+    if job.init_from is not None and not cfg.long_context:  # the previous main phase's newest checkpoint
+        previous = CheckpointStore(Path(job.init_from), cfg.checkpoint.keep_last, mirror, remote_name=job.init_remote or "")
+        init_tag = broadcast(previous.latest() if rank == 0 else None)
+        previous.close()
+        if init_tag is None:
+            raise FileNotFoundError(f"{cfg.phase}: no complete checkpoint of the previous phase in {job.init_from}")
+    latest = broadcast(store.latest() if rank == 0 else None)
+    load_from = (store.root, latest) if latest else (Path(job.init_from), init_tag) if init_tag else None
+    universal = load_from is not None and needs_universal(*load_from, world, cfg.zero_stage)
+    if universal:
+        load_from = to_universal(*load_from, rank)
+    return store, init_tag, latest, load_from, universal
+
+
+def load(engine, where: tuple[Path, str], guard: SpikeGuard, optimizer_only: bool = False) -> int:
+    """Load weights and optimizer state; unless it is the previous phase's checkpoint (`optimizer_only`),
+    also the step, RNG and spike state, returning the step to continue from."""
+    _, client = engine.load_checkpoint(str(where[0]), tag=where[1], load_optimizer_states=True)
+    if optimizer_only:
+        return 0
+    guard.skip_steps |= set(client["skip_steps"])
+    guard.ema = client["loss_ema"]
+    set_rng_state(client["rng"])
+    return client["step"]
+
+
+def finish(job: TrainJob, engine, store, tokenizer, tracker, rank, step, guard, saves, dropped_steps) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    cfg = job.config
+    done = step >= cfg.schedule.steps
+    summary = {
+        "phase": cfg.phase,
+        "steps": cfg.schedule.steps,
+        "tokens": cfg.schedule.steps * cfg.batch_size * cfg.seq_len,
+        "final_loss": guard.ema,
+        "seq_len": cfg.seq_len,
+        "stopped_early": not done,
+        "dropped_steps": dropped_steps,
+        "failed_uploads": store.close() if rank == 0 else [],
+        "checkpoint_seconds": round(sum(saves) / len(saves), 3) if saves else None,
+    }
+    if rank == 0 and done:
+        export_final(engine, tokenizer, Path(job.out_dir) / "final", cfg.yarn_factor)
+        (Path(job.out_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    tracker.finish()
+    dist.barrier()
+    return summary
 
 
 def rng_state() -> dict[str, Any]:
@@ -218,160 +494,6 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-
-
-def train(job: TrainJob) -> dict[str, Any]:
-    import deepspeed
-    import torch.distributed as dist
-    from transformers import AutoTokenizer
-
-    die_with_parent()
-    torch.set_num_threads(job.pretrain.launcher.threads_per_rank)
-    rank, world = setup_distributed()
-    p, stage = job.pretrain, job.stage
-    seq_len, micro_batch = p.stage_seq_len(stage), p.stage_micro_batch(stage)
-    say = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
-
-    mirror = None
-    if job.mirror:
-        mirror = Mirror(job.mirror, S3Cfg(endpoint_url=job.s3_endpoint, region=job.s3_region))
-    store = CheckpointStore(Path(job.checkpoint_dir), p.checkpoint.keep_last, mirror, job.remote_name, job.hold_unevaluated)
-    init_tag = None
-    if job.init_from is not None and not stage.long_context:  # the previous main stage's newest checkpoint
-        previous = CheckpointStore(Path(job.init_from), p.checkpoint.keep_last, mirror, remote_name=job.init_remote or "")
-        init_tag = broadcast(previous.latest() if rank == 0 else None)
-        previous.close()
-        if init_tag is None:
-            raise FileNotFoundError(f"{stage.name}: no complete checkpoint of the previous stage in {job.init_from}")
-
-    latest = broadcast(store.latest() if rank == 0 else None)
-    # the checkpoint this run starts from, in DeepSpeed's universal format if it was saved by another rank count
-    load_from = (store.root, latest) if latest else (Path(job.init_from), init_tag) if init_tag else None
-    universal = load_from is not None and needs_universal(*load_from, world, p.zero_stage)
-    if universal:
-        load_from = to_universal(*load_from, rank)
-
-    tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir)
-    special = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None}
-    model = initial_model(job, len(tokenizer), special, init_tag)
-    optimizer = torch.optim.AdamW(
-        param_groups(model, p.optimizer.weight_decay), lr=p.optimizer.lr, betas=p.optimizer.betas, eps=p.optimizer.eps
-    )
-    config = ds_config(job, micro_batch) | ({"checkpoint": {"load_universal": True}} if universal else {})
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    weights_only_engine(engine)
-    if world == 1 and p.zero_stage == 0:
-        # one rank: the gradient all-reduce is a copy for nothing (ZeRO still needs it: it partitions there)
-        engine.enable_backward_allreduce = False
-
-    sources, samples = load_sources(job)
-    data = MixtureBatches(sources, plan_stage(samples, job.seed, job.stage_index), seq_len, micro_batch, p.grad_accum, world)
-    step, skip_steps, ema = 0, set(), None
-    if latest is not None:
-        _, client = engine.load_checkpoint(str(load_from[0]), tag=load_from[1])
-        step, skip_steps, ema = client["step"], set(client["skip_steps"]), client["loss_ema"]
-        set_rng_state(client["rng"])
-        say(f"resumed {stage.name} from checkpoint {latest} (step {step}/{data.steps})")
-    elif init_tag is not None:
-        engine.load_checkpoint(str(load_from[0]), tag=load_from[1], load_optimizer_states=True)
-        say(f"{stage.name}: continuing from {job.init_from}/{init_tag} (weights and optimizer state)")
-
-    flash_attention = engine.module.config._attn_implementation == "flash_attention_2"
-    fpt = flops_per_token(engine.module.config, seq_len)
-    peak = job.peak_flops or measure_peak_flops()
-    tracker = Tracker(job, rank, {"stage": stage.name, **job.pretrain.model_dump(exclude={"stages"})})
-    tokens_per_step = data.samples_per_step * seq_len
-    say(
-        f"{stage.name}: {data.steps} steps x {tokens_per_step:,} tokens, seq {seq_len}, {world} rank(s), "
-        f"{sum(q.numel() for q in engine.module.parameters()):,} parameters"
-    )
-
-    last_save, window_loss, window_start, window_steps = time.time(), 0.0, time.time(), 0
-    stopped_early, save_seconds = False, []
-    started_at = step
-    while step < data.steps:
-        if job.stop_after_steps is not None and step - started_at >= job.stop_after_steps:
-            stopped_early = True
-            break
-        global_step = job.step_offset + step
-        lr = stage_lr(job, global_step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        step_loss, spiked = 0.0, False
-        for batch in data.micro_batches(step, rank):
-            if flash_attention:
-                batch = flatten(batch)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=p.precision == "bf16" and not torch.cuda.is_available()):
-                logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-            loss, ce = lm_loss(logits, batch["labels"], p.optimizer.z_loss)
-            value = ce.item()
-            step_loss += value / p.grad_accum
-            spiked |= ema is not None and step >= p.spike.warmup_steps and value > p.spike.factor * ema
-            skip = step in skip_steps or (spiked and p.spike.policy == "skip")
-            engine.backward(loss * 0.0 if skip else loss)
-            engine.step()
-        if spiked:
-            say(f"loss spike at step {step}: {step_loss:.3f} vs running mean {ema:.3f} (policy: {p.spike.policy})")
-            if p.spike.policy == "rollback" and step not in skip_steps and store.local_tags():
-                skip_steps.add(step)
-                tag = broadcast(store.latest() if rank == 0 else None)
-                _, client = engine.load_checkpoint(str(store.root), tag=tag)
-                step, ema = client["step"], client["loss_ema"]
-                set_rng_state(client["rng"])
-                say(f"rolled back to {tag}; the batch of step {max(skip_steps)} will be skipped")
-                continue
-        if not (spiked and p.spike.policy != "warn"):
-            ema = step_loss if ema is None else 0.95 * ema + 0.05 * step_loss
-        step += 1
-        window_loss += step_loss
-        window_steps += 1
-        if step % p.log_every == 0 or step == data.steps:
-            elapsed = time.time() - window_start
-            tok_s = window_steps * tokens_per_step / max(elapsed, 1e-9)
-            grad_norm = engine.get_global_grad_norm()
-            metrics = {
-                "stage": stage.name,
-                "step": step,
-                "global_step": job.step_offset + step,
-                "tokens": (job.step_offset + step) * tokens_per_step,
-                "loss": window_loss / window_steps,
-                "lr": lr,
-                "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                "tokens_per_s": tok_s,
-                "mfu": tok_s / world * fpt / peak,
-            }
-            tracker.log(metrics)
-            eta = (data.steps - step) * elapsed / window_steps
-            say(
-                f"[{stage.name}] step {step}/{data.steps} | loss {metrics['loss']:.4f} | lr {lr:.2e} | "
-                f"{tok_s:,.0f} tok/s | MFU {metrics['mfu']:.1%} | eta {eta:.0f}s"
-            )
-            window_loss, window_steps, window_start = 0.0, 0, time.time()
-        due = step % p.checkpoint.every_steps == 0 or time.time() - last_save > p.checkpoint.every_minutes * 60
-        if due or step == data.steps:
-            begun = time.time()
-            position = {"stage": stage.name, "tokens": (job.step_offset + step) * tokens_per_step}
-            save(engine, store, step, {"skip_steps": sorted(skip_steps), "loss_ema": ema}, position, rank, tokenizer)
-            last_save = time.time()
-            save_seconds.append(last_save - begun)
-
-    failed_uploads = store.close() if rank == 0 else []
-    summary = {
-        "stage": stage.name,
-        "steps": data.steps,
-        "tokens": data.steps * tokens_per_step,
-        "final_loss": ema,
-        "seq_len": seq_len,
-        "stopped_early": stopped_early,
-        "failed_uploads": failed_uploads,
-        "checkpoint_seconds": round(sum(save_seconds) / len(save_seconds), 3) if save_seconds else None,
-    }
-    if rank == 0 and not stopped_early:
-        export_final(engine, tokenizer, Path(job.out_dir) / "final", job)
-        (Path(job.out_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
-    tracker.finish()
-    dist.barrier()
-    return summary
 
 
 def needs_universal(root: Path, tag: str, world: int, zero_stage: int) -> bool:
@@ -415,12 +537,12 @@ def broadcast(value):
     return holder[0]
 
 
-def save(engine, store: CheckpointStore, step: int, extra: dict[str, Any], position: dict[str, Any], rank: int, tokenizer) -> None:
-    """Save every rank's shards plus an HF export; `position` (stage, tokens seen) goes into the marker for eval plots."""
+def save(engine, store: CheckpointStore, step: int, guard: SpikeGuard, position: dict[str, Any], rank: int, tokenizer) -> None:
+    """Save every rank's shards plus an HF export; `position` (phase, tokens seen) goes into the marker for eval plots."""
     import torch.distributed as dist
 
     tag = tag_for(step)
-    client = {"step": step, "rng": rng_state(), **extra}
+    client = {"step": step, "rng": rng_state(), "skip_steps": sorted(guard.skip_steps), "loss_ema": guard.ema}
     engine.save_checkpoint(str(store.tmp_dir()), tag=tag, client_state=client, save_latest=False)
     dist.barrier()
     if rank == 0:
@@ -431,12 +553,12 @@ def save(engine, store: CheckpointStore, step: int, extra: dict[str, Any], posit
     dist.barrier()
 
 
-def export_final(engine, tokenizer, out: Path, job: TrainJob) -> None:
-    """The stage's output: a plain HF checkpoint (safetensors + config + tokenizer)."""
+def export_final(engine, tokenizer, out: Path, yarn_factor: float | None) -> None:
+    """The phase's output: a plain HF checkpoint (safetensors + config + tokenizer)."""
     model = engine.module
     model.config.use_cache = True
-    if job.last_stage and job.pretrain.yarn_factor:
-        model.config = with_yarn(model.config, job.pretrain.yarn_factor)
+    if yarn_factor:
+        model.config = with_yarn(model.config, yarn_factor)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
@@ -444,8 +566,8 @@ def export_final(engine, tokenizer, out: Path, job: TrainJob) -> None:
 def main() -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(description="Train one pretraining stage (a job file written by smolflow).")
-    parser.add_argument("job", type=Path, help="the stage's job.json")
+    parser = argparse.ArgumentParser(description="Train one pretraining phase (a job file written by smolflow).")
+    parser.add_argument("job", type=Path, help="the phase's job.json")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher (LOCAL_RANK is used)")
     args = parser.parse_args()
     train(TrainJob.model_validate_json(args.job.read_text()))

@@ -61,7 +61,7 @@ def save_final(model, tokenizer, path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
-def evaluate(backend: Backend, tokenizer, items: list[dict[str, Any]], max_new_tokens: int) -> dict[str, Any]:
+def heldout_accuracy(backend: Backend, tokenizer, items: list[dict[str, Any]], max_new_tokens: int) -> dict[str, Any]:
     """Greedy held-out accuracy (final answer exact match) and mean answer length in tokens."""
     completions = backend.chat([i["prompt"] for i in items], max_new_tokens, temperature=0.0)
     correct = [is_correct(c, i["answer"]) for c, i in zip(completions, items, strict=True)]

@@ -14,11 +14,12 @@ import random
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from datasketch import MinHash, MinHashLSH
 
-from tasks.curation.corpus import arithmetic_problem, word_problem
+from infra.recipe import Family
+from postrain.problems import arithmetic_problem, word_problem
 
 ANSWER = re.compile(r"answer is\s+(-?[\w']+)", re.IGNORECASE)
 WORDS = sorted({w.lower() for w in dir(builtins) + keyword.kwlist if w.isalpha() and 3 <= len(w) <= 10})
@@ -54,6 +55,7 @@ FAMILIES: dict[str, Callable[[random.Random, int], tuple[str, str, str]]] = {
     "reverse_word": _reverse,
     "count_letters": _count_letters,
 }
+assert set(FAMILIES) == set(get_args(Family)), "infra/recipe.py Family lists the families generated here"
 
 
 def example(question: str, solution: str, answer: str, family: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""What every Prefect task of the project shares: retries that skip user errors, and logging."""
+"""What every Prefect task of the project shares: retries that skip user errors, logging, and the task
+that builds a step (one Prefect task run per step, named after it)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
 from infra.errors import SmolflowError
+from infra.steps import Run, Step, StepOutput
 
 
 def retry_unless_user_error(task, task_run, state) -> bool:
@@ -34,3 +36,13 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter:
         return get_run_logger()
     except MissingContextError:
         return logging.getLogger("smolflow")
+
+
+@stage_task("step")
+def _build(run: Run, step: Step, inputs: dict[str, StepOutput]) -> StepOutput:
+    return run.build(step, inputs)
+
+
+def build(run: Run, step: Step, inputs: dict[str, StepOutput]) -> StepOutput:
+    """Build `step` (or find it finished) in a Prefect task run named after it."""
+    return _build.with_options(name=step.name, task_run_name=step.name)(run, step, inputs)

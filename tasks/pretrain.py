@@ -1,30 +1,29 @@
-"""Prefect tasks of the pretrain stage: one step per pretraining stage, each a launched trainer.
+"""The pretrain stage's steps: one per pretraining phase, each a launched trainer (model/train.py).
 
-A stage's step folder holds its final HF model, metrics and summary, plus its checkpoints (not
+A phase's step folder holds its final HF model, metrics and summary, plus its checkpoints (not
 fingerprinted; mirrored as they are written). A failed or killed trainer fails the task; the
-retry finds the same partial folder and the trainer resumes from its newest complete checkpoint.
+retry finds the same partial folder and the trainer resumes from its newest complete checkpoint,
+on whatever rank count the launcher now has: the rank count is operational, the global batch is not.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from prefect.artifacts import create_table_artifact
 
 from infra.errors import SmolflowError
 from infra.launch import free_port, launch_command, launch_env, run_streaming
-from infra.recipe import PretrainCfg, Recipe
-from infra.steps import RunContext, StepOutput, building_step_id
-from model.train import TrainJob
+from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
+from infra.steps import StepOutput, building_step_id
+from model.train import Schedule, TrainConfig, TrainJob
 from tasks.common import run_logger, stage_task
+from tasks.curation.mixtures import MixturePhase, windows
 
 # Checkpoints kept beyond keep_last while the eval follower catches up (tasks/evaluate.py).
 HOLD_FOR_EVAL = 4
-
-
-def following(recipe: Recipe) -> bool:
-    return recipe.evaluation.follow and bool(recipe.evaluation.checkpoint_tasks)
 
 
 class TrainerFailed(SmolflowError):
@@ -33,109 +32,119 @@ class TrainerFailed(SmolflowError):
     retryable = True
 
 
-def world_size(p: PretrainCfg) -> int:
-    if p.launcher.hostfile and Path(p.launcher.hostfile).is_file():
-        slots = [line.split("slots=")[-1] for line in Path(p.launcher.hostfile).read_text().splitlines() if "slots=" in line]
-        return sum(int(s.split()[0]) for s in slots) or p.launcher.nproc
-    return p.launcher.nproc
+def mixture_phases(p: PretrainCfg) -> list[MixturePhase]:
+    return [MixturePhase(name=ph.name, tokens=ph.tokens, mixture=ph.mixture, seq_len=p.phase_seq_len(ph)) for ph in p.phases]
 
 
-def stage_steps(recipe: Recipe, mixtures: dict) -> list[dict]:
-    """Per stage: windows drawn from each source, optimizer steps, and the step offset of the global schedule."""
-    p, world = recipe.pretrain, world_size(recipe.pretrain)
-    plans, offset = [], 0
-    for stage, manifest in zip(p.stages, mixtures["stages"], strict=True):
-        seq_len = p.stage_seq_len(stage)
-        samples = {name: row["tokens"] // seq_len for name, row in manifest["sources"].items()}
-        per_step = p.stage_micro_batch(stage) * p.grad_accum * world
-        steps = sum(samples.values()) // per_step
-        if steps == 0:
-            raise SmolflowError(f"pretrain stage {stage.name}: {stage.tokens:,} tokens make no full step of {per_step * seq_len:,}")
-        plans.append({"samples": samples, "steps": steps, "offset": offset})
-        if not stage.long_context:
-            offset += steps
-    return plans
+def train_configs(recipe: Recipe) -> list[TrainConfig]:
+    """Every phase's resolved training config: sample counts, steps and the global learning-rate schedule."""
+    p, opt = recipe.pretrain, recipe.pretrain.optimizer
+    samples = [windows(m) for m in mixture_phases(p)]
+    steps = []
+    for phase, counts in zip(p.phases, samples, strict=True):
+        n = sum(counts.values()) // p.phase_batch(phase)
+        if n == 0:
+            raise SmolflowError(
+                f"pretrain phase {phase.name}: {phase.tokens:,} tokens make no full step of {p.phase_batch(phase)} sequences"
+            )
+        steps.append(n)
+    total = sum(n for n, ph in zip(steps, p.phases) if not ph.long_context)
+    floor = opt.lr * opt.min_lr_ratio
+    configs, offset = [], 0
+    for i, (phase, counts, n) in enumerate(zip(p.phases, samples, steps)):
+        constant = (phase.lr or opt.lr * max(opt.min_lr_ratio, 0.1)) if phase.long_context else None
+        schedule = Schedule(
+            steps=n, offset=offset, total=total, warmup=opt.warmup_steps, decay_start=total - int(total * opt.decay_fraction),
+            peak=opt.lr, floor=floor, constant=constant,
+        )  # fmt: skip
+        configs.append(
+            TrainConfig(
+                phase=phase.name,
+                index=i,
+                seed=recipe.seed,
+                model=recipe.model,
+                samples=counts,
+                seq_len=p.phase_seq_len(phase),
+                batch_size=p.phase_batch(phase),
+                schedule=schedule,
+                betas=opt.betas,
+                eps=opt.eps,
+                weight_decay=opt.weight_decay,
+                grad_clip=opt.grad_clip,
+                z_loss=opt.z_loss,
+                precision=p.precision,
+                zero_stage=p.zero_stage,
+                spike=p.spike,
+                rope_theta=phase.rope_theta,
+                yarn_factor=p.yarn_factor if i == len(p.phases) - 1 else None,
+                micro_batch_size=p.phase_micro_batch(phase),
+                checkpoint=p.checkpoint,
+                threads=p.launcher.threads_per_rank,
+                log_every=p.log_every,
+                tracking=p.tracking,
+                project=recipe.name,
+                peak_flops=p.hardware.peak_tflops * 1e12 if p.hardware.peak_tflops else None,
+                hold_unevaluated=HOLD_FOR_EVAL if recipe.evaluation.follow and recipe.evaluation.checkpoint_tasks else 0,
+            )  # fmt: skip
+        )
+        if not phase.long_context:
+            offset += n
+    return configs
 
 
-def trainer_env(ctx: RunContext) -> dict[str, str]:
+class PhaseStepCfg(Strict):
+    train: TrainConfig
+    launcher: LauncherCfg = operational(LauncherCfg())
+    storage: StorageCfg = operational(StorageCfg())
+
+
+def trainer_env(storage: StorageCfg, run_dir: Path) -> dict[str, str]:
     """Credentials reach the trainer through its environment, never through the job file."""
-    s3 = ctx.recipe.storage.s3
-    env = {"TRACKIO_DIR": str((ctx.run_dir / "trackio").resolve())}
-    if s3.key is not None:
-        env["AWS_ACCESS_KEY_ID"] = s3.key.get_secret_value()
-    if s3.secret is not None:
-        env["AWS_SECRET_ACCESS_KEY"] = s3.secret.get_secret_value()
+    env = {"TRACKIO_DIR": str((run_dir / "trackio").resolve())}
+    if storage.s3.key is not None:
+        env["AWS_ACCESS_KEY_ID"] = storage.s3.key.get_secret_value()
+    if storage.s3.secret is not None:
+        env["AWS_SECRET_ACCESS_KEY"] = storage.s3.secret.get_secret_value()
     return env
 
 
-@stage_task("pretrain-stage")
-def train_stage(
-    ctx: RunContext, index: int, mixtures: StepOutput, tokenized: StepOutput, tok: StepOutput, previous: StepOutput | None
-) -> StepOutput:
-    recipe, p = ctx.recipe, ctx.recipe.pretrain
-    stage = p.stages[index]
-    plans = stage_steps(recipe, json.loads((mixtures.path / "mixtures.json").read_text()))
-    total_main = sum(pl["steps"] for pl, s in zip(plans, p.stages) if not s.long_context)
-    config = {
-        "model": recipe.model.model_dump(),
-        "pretrain": p.model_dump(exclude={"stages", "tracking", "log_every"}),
-        "stage": stage.model_dump(),
-        "index": index,
-        "seed": recipe.seed,
-        "steps": plans[index],
-        "total_main_steps": total_main,
-    }
-    inputs = {"mixtures": mixtures, "tokenize": tokenized, "tokenizer": tok}
+def train_phase(cfg: PhaseStepCfg, inputs: Mapping[str, StepOutput], out: Path) -> dict:
+    """Launch the trainer on the phase's job; inputs: `tokens` (tokenize), `bpe` (tokenizer), `budget`
+    (mixtures: the data holds what the phase draws) and, after the first phase, `previous`."""
+    t, previous, log = cfg.train, inputs.get("previous"), run_logger()
+    run_dir = out.parent.parent  # RUN/.partial/NAME
+    init_from = init_remote = None
     if previous is not None:
-        inputs["previous"] = previous
-    log = run_logger()
-
-    def build(out: Path) -> dict:
-        sid = building_step_id(out)
-        init_from = init_remote = None
-        if previous is not None:
-            init_from = str(previous.path / ("final" if stage.long_context else "checkpoints"))
-            init_remote = f"checkpoints/{previous.name}-{previous.step_id}"
-        job = TrainJob(
-            run_name=recipe.name,
-            stage_index=index,
-            seed=recipe.seed,
-            model=recipe.model,
-            pretrain=p,
-            sources={name: str(tokenized.path / "data" / name) for name in stage.mixture},
-            samples=plans[index]["samples"],
-            tokenizer_dir=str(tok.path),
-            out_dir=str(out),
-            checkpoint_dir=str(out / "checkpoints"),
-            init_from=init_from,
-            init_remote=init_remote,
-            remote_name=f"checkpoints/pretrain_{stage.name}-{sid}",
-            step_offset=plans[index]["offset"],
-            total_main_steps=total_main,
-            last_stage=index == len(p.stages) - 1,
-            mirror=recipe.storage.mirror,
-            s3_endpoint=recipe.storage.s3.endpoint_url,
-            s3_region=recipe.storage.s3.region,
-            peak_flops=p.hardware.peak_tflops * 1e12 if p.hardware.peak_tflops else None,
-            hold_unevaluated=HOLD_FOR_EVAL if following(recipe) else 0,
-        )
-        job_path = out / "job.json"
-        job_path.write_text(job.model_dump_json(indent=2))
-        command = launch_command(p.launcher, "model.train", [str(job_path)], port=free_port())
-        log.info("pretrain %s: %s", stage.name, " ".join(command))
-        code = run_streaming(command, launch_env(p.launcher, trainer_env(ctx)), log.info)
-        if code != 0:
-            raise TrainerFailed(f"pretrain {stage.name}: trainer exited with code {code}; a retry resumes from its newest checkpoint")
-        return json.loads((out / "summary.json").read_text())
-
-    return ctx.step(f"pretrain_{stage.name}", config, inputs, build)
+        init_from = str(previous.path / ("final" if t.long_context else "checkpoints"))
+        init_remote = f"checkpoints/{previous.name}-{previous.step_id}"
+    job = TrainJob(
+        config=t,
+        sources={name: str(inputs["tokens"].path / "data" / name) for name in t.samples},
+        tokenizer_dir=str(inputs["bpe"].path),
+        out_dir=str(out),
+        checkpoint_dir=str(out / "checkpoints"),
+        init_from=init_from,
+        init_remote=init_remote,
+        remote_name=f"checkpoints/{out.name}-{building_step_id(out)}",
+        mirror=cfg.storage.mirror,
+        s3_endpoint=cfg.storage.s3.endpoint_url,
+        s3_region=cfg.storage.s3.region,
+    )
+    job_path = out / "job.json"
+    job_path.write_text(job.model_dump_json(indent=2))
+    command = launch_command(cfg.launcher, "model.train", [str(job_path)], port=free_port())
+    log.info("pretrain %s: %s", t.phase, " ".join(command))
+    code = run_streaming(command, launch_env(cfg.launcher, trainer_env(cfg.storage, run_dir)), log.info)
+    if code != 0:
+        raise TrainerFailed(f"pretrain {t.phase}: trainer exited with code {code}; a retry resumes from its newest checkpoint")
+    return json.loads((out / "summary.json").read_text())
 
 
 @stage_task("pretrain-report", retries=1)
-def report(ctx: RunContext, stages: list[StepOutput]) -> Path:
+def report(run_dir: Path, name: str, phases: list[StepOutput]) -> Path:
     rows = [
         {
-            "stage": s.name.removeprefix("pretrain_"),
+            "phase": s.summary["phase"],
             "steps": s.summary["steps"],
             "tokens": s.summary["tokens"],
             "seq_len": s.summary["seq_len"],
@@ -143,15 +152,15 @@ def report(ctx: RunContext, stages: list[StepOutput]) -> Path:
             "seconds": s.seconds,
             "cached": s.cached,
         }
-        for s in stages
+        for s in phases
     ]
-    lines = ["# Pretraining", "", "| stage | steps | tokens | seq len | final loss | seconds |", "|---|---|---|---|---|---|"]
+    lines = ["# Pretraining", "", "| phase | steps | tokens | seq len | final loss | seconds |", "|---|---|---|---|---|---|"]
     lines += [
-        f"| {r['stage']} | {r['steps']:,} | {r['tokens']:,} | {r['seq_len']} | {r['final_loss']} | {r['seconds']:.0f} |" for r in rows
+        f"| {r['phase']} | {r['steps']:,} | {r['tokens']:,} | {r['seq_len']} | {r['final_loss']} | {r['seconds']:.0f} |" for r in rows
     ]
-    path = ctx.run_dir / "reports" / "pretrain.md"
+    path = run_dir / "reports" / "pretrain.md"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + f"\n\nFinal model: `{stages[-1].path / 'final'}`\n")
-    create_table_artifact(rows, key=f"{ctx.recipe.name}-pretrain".replace("_", "-"), description="Pretraining stages")
+    path.write_text("\n".join(lines) + f"\n\nFinal model: `{phases[-1].path / 'final'}`\n")
+    create_table_artifact(rows, key=f"{name}-pretrain".replace("_", "-"), description="Pretraining phases")
     run_logger().info("pretrain report: %s", path.resolve())
     return path

@@ -14,13 +14,17 @@ from tests.helpers import micro_recipe, write_jsonl
 GOOD = "A perfectly ordinary document with enough words to be kept by every filter in this test."
 
 
+def ingest(recipe, paths, out):
+    return pipelines.ingest(recipe.sources, paths, recipe.executor, recipe.storage.s3, recipe.curate.strict, out)
+
+
 def recipe_for(path, strict=False, fmt="jsonl", endpoint=None):
     data = micro_recipe(**{"curate.strict": strict})
     data["sources"] = [{"name": "raw", "domain": "web", "format": fmt, "path": str(path)}]
     data["curate"]["filters"] = {"web": {}}
     if endpoint:
         data["storage"] = {"s3": {"endpoint_url": endpoint}}
-    for stage in data["pretrain"]["stages"]:
+    for stage in data["pretrain"]["phases"]:
         stage["mixture"] = {"raw": 1.0}
     return parse_recipe(data, "test")
 
@@ -44,7 +48,7 @@ def messy(tmp_path):
 
 
 def test_malformed_records_are_skipped_counted_and_located(messy, tmp_path):
-    summary = pipelines.ingest(recipe_for(messy), {"raw": str(messy)}, tmp_path / "out")
+    summary = ingest(recipe_for(messy), {"raw": str(messy)}, tmp_path / "out")
     s = summary["sources"]["raw"]
     assert (s["files"], s["docs"], s["malformed"]) == (3, 3, 5)
     where = {(e["file"], e["line"]) for e in pipelines.read_errors(tmp_path / "out" / "errors" / "raw", 10)}
@@ -57,7 +61,7 @@ def test_malformed_records_are_skipped_counted_and_located(messy, tmp_path):
 
 def test_strict_mode_fails_with_file_and_line(messy, tmp_path):
     with pytest.raises(DataError, match=r"source 'raw': a.jsonl:2: not valid JSON"):
-        pipelines.ingest(recipe_for(messy, strict=True), {"raw": str(messy)}, tmp_path / "out")
+        ingest(recipe_for(messy, strict=True), {"raw": str(messy)}, tmp_path / "out")
 
 
 def test_non_utf8_text_file_is_located(tmp_path):
@@ -65,7 +69,7 @@ def test_non_utf8_text_file_is_located(tmp_path):
     raw.mkdir()
     (raw / "good.txt").write_text(GOOD)
     (raw / "bad.txt").write_bytes(b"line one\nline two \xff\xfe here\n")
-    summary = pipelines.ingest(recipe_for(raw, fmt="text"), {"raw": str(raw)}, tmp_path / "out")
+    summary = ingest(recipe_for(raw, fmt="text"), {"raw": str(raw)}, tmp_path / "out")
     assert summary["sources"]["raw"]["docs"] == 1
     [err] = pipelines.read_errors(tmp_path / "out" / "errors" / "raw", 10)
     assert (err["file"], err["line"]) == ("bad.txt", 2) and "not UTF-8" in err["error"]
@@ -79,7 +83,7 @@ def test_parquet_without_text_column_names_the_column(tmp_path):
     raw.mkdir()
     pq.write_table(pa.table({"id": ["1"], "content": [GOOD]}), raw / "x.parquet")
     with pytest.raises(DataError, match=r"x.parquet: no column 'text'.*text_key"):
-        pipelines.ingest(recipe_for(raw, fmt="parquet"), {"raw": str(raw)}, tmp_path / "out")
+        ingest(recipe_for(raw, fmt="parquet"), {"raw": str(raw)}, tmp_path / "out")
 
 
 def test_parquet_source_reads(tmp_path):
@@ -89,22 +93,22 @@ def test_parquet_source_reads(tmp_path):
     raw = tmp_path / "pq"
     raw.mkdir()
     pq.write_table(pa.table({"id": ["1", "2"], "text": [GOOD, GOOD + " two"]}), raw / "x.parquet")
-    summary = pipelines.ingest(recipe_for(raw, fmt="parquet"), {"raw": str(raw)}, tmp_path / "out")
+    summary = ingest(recipe_for(raw, fmt="parquet"), {"raw": str(raw)}, tmp_path / "out")
     assert summary["sources"]["raw"]["docs"] == 2
 
 
 def test_missing_source_and_empty_folder(tmp_path):
     with pytest.raises(DataError, match=r"source 'raw' \(.*nowhere\): no such file or folder"):
-        pipelines.ingest(recipe_for(tmp_path / "nowhere"), {"raw": str(tmp_path / "nowhere")}, tmp_path / "out")
+        ingest(recipe_for(tmp_path / "nowhere"), {"raw": str(tmp_path / "nowhere")}, tmp_path / "out")
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"no files match"):
-        pipelines.ingest(recipe_for(tmp_path / "empty"), {"raw": str(tmp_path / "empty")}, tmp_path / "out")
+        ingest(recipe_for(tmp_path / "empty"), {"raw": str(tmp_path / "empty")}, tmp_path / "out")
 
 
 def test_source_with_only_bad_records_fails(tmp_path):
     raw = write_jsonl(tmp_path / "raw" / "x.jsonl", ["not json", "{also not"])
     with pytest.raises(DataError, match=r"no usable documents in 1 file\(s\); 2 malformed"):
-        pipelines.ingest(recipe_for(raw.parent), {"raw": str(raw.parent)}, tmp_path / "out")
+        ingest(recipe_for(raw.parent), {"raw": str(raw.parent)}, tmp_path / "out")
 
 
 def test_unreachable_s3_endpoint_is_named(tmp_path, monkeypatch):
@@ -113,30 +117,33 @@ def test_unreachable_s3_endpoint_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     endpoint = "http://127.0.0.1:9"  # discard port: nothing listens
     with pytest.raises(DataError, match=r"cannot reach storage at http://127.0.0.1:9"):
-        pipelines.ingest(recipe_for("s3://bucket/raw", endpoint=endpoint), {"raw": "s3://bucket/raw"}, tmp_path / "out")
+        ingest(recipe_for("s3://bucket/raw", endpoint=endpoint), {"raw": "s3://bucket/raw"}, tmp_path / "out")
 
 
 def test_everything_filtered_out_fails_with_counts(tmp_path, prefect_server):
     from prefect import flow
 
-    from tasks import curate
-
     raw = write_jsonl(tmp_path / "raw" / "x.jsonl", [{"id": str(i), "text": "too short"} for i in range(5)])
     data = micro_recipe()
     data["sources"] = [{"name": "raw", "domain": "web", "format": "jsonl", "path": str(raw.parent)}]
     data["curate"]["filters"] = {"web": {"length": {"min_chars": 1000}}}
-    for stage in data["pretrain"]["stages"]:
+    for stage in data["pretrain"]["phases"]:
         stage["mixture"] = {"raw": 1.0}
-    from infra.steps import RunContext
+    from flows.graph import build_graph
+    from infra.steps import Run
+    from tasks.common import build
     from tests.helpers import write_recipe
 
-    ctx = RunContext.load(str(write_recipe(tmp_path / "r.yaml", data)), str(tmp_path / "run"))
+    run = Run.open(str(write_recipe(tmp_path / "r.yaml", data)), str(tmp_path / "run"))
+    graph = build_graph(run.recipe)
+    ingest_step, filter_step = graph.curation["ingested"], graph.curation["filtered"]
 
     @flow
     def two_steps():
-        return curate.filter_docs(ctx, curate.ingest(ctx, None))
+        return build(run, filter_step, {"docs": build(run, ingest_step, {})})
 
     with pytest.raises(DataError, match=r"every document was filtered out \(raw: 5 in, removed .*too_short.: 5"):
         two_steps()
-    with gzip.open(next((tmp_path / "run" / "ingest" / "data" / "raw").glob("*.jsonl.gz")), "rt") as f:
+    with gzip.open(next((tmp_path / "run" / ingest_step.name / "data" / "raw").glob("*.jsonl.gz")), "rt") as f:
         assert len(f.readlines()) == 5
+    assert not (tmp_path / "run" / filter_step.name / "manifest.json").exists()

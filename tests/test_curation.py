@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from infra.recipe import parse_recipe
 from tasks.curation import pipelines, tokenizer
 from tasks.curation.mixtures import MixtureError, resolve_mixtures, split_budget
+from tasks.pretrain import mixture_phases
 from tests.helpers import REPO, micro_recipe, write_jsonl
 
 WORDS = [f"w{i}" + "abcdefghij"[i % 10] * (i % 4 + 1) for i in range(3000)]
@@ -36,7 +37,7 @@ def web_recipe(path, **changes):
     data = micro_recipe(**changes)
     data["sources"] = [{"name": "web", "domain": "web", "format": "jsonl", "path": str(path)}]
     data["curate"]["filters"] = {"web": {}}
-    for stage in data["pretrain"]["stages"]:
+    for stage in data["pretrain"]["phases"]:
         stage["mixture"] = {"web": 1.0}
     return parse_recipe(data, "test recipe")
 
@@ -72,15 +73,12 @@ def planted(tmp_path_factory):
     write_jsonl(root / "raw" / "part0.jsonl", records[: len(records) // 2])
     write_jsonl(root / "raw" / "part1.jsonl", records[len(records) // 2 :])
     recipe = web_recipe(root / "raw")
-    steps = {}
-    steps["ingest"] = root / "ingest"
-    pipelines.ingest(recipe, {"web": str(root / "raw")}, steps["ingest"])
-    steps["filter"] = root / "filter"
-    pipelines.filter_docs(recipe, steps["ingest"], steps["filter"])
-    steps["dedup"] = root / "dedup"
-    summary = pipelines.dedup(recipe, steps["filter"], steps["dedup"])
-    steps["decont"] = root / "decont"
-    decont = pipelines.decontaminate(recipe, steps["dedup"], steps["decont"])
+    ex = recipe.executor
+    steps = {name: root / name for name in ("ingest", "filter", "dedup", "decont")}
+    pipelines.ingest(recipe.sources, {"web": str(root / "raw")}, ex, recipe.storage.s3, False, steps["ingest"])
+    pipelines.filter_docs({"web": {}}, ex, steps["ingest"], steps["filter"])
+    summary = pipelines.dedup(recipe.curate.dedup, ex, steps["filter"], steps["dedup"])
+    decont = pipelines.decontaminate(recipe.curate.decontaminate, ex, steps["dedup"], steps["decont"])
     return {"recipe": recipe, "root": root, "steps": steps, "dedup": summary, "decont": decont, "records": records}
 
 
@@ -109,7 +107,10 @@ def test_tokenized_data_reads_back_to_the_same_text(planted, tmp_path):
     recipe, decont = planted["recipe"], planted["steps"]["decont"]
     texts = tokenizer.sample_texts([decont / "data" / "web"], 10**9)
     tokenizer.save_hf(tokenizer.train_bpe(texts, vocab_size=400, min_frequency=2), tmp_path / "tok")
-    summary = pipelines.tokenize(recipe, decont, tmp_path / "tok" / "tokenizer.json", tmp_path / "tokenized")
+    c = recipe.curate
+    summary = pipelines.tokenize(
+        ["web"], recipe.executor, recipe.seed, c.heldout_fraction, decont, tmp_path / "tok" / "tokenizer.json", tmp_path / "tokenized"
+    )
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
     ds = next((tmp_path / "tokenized" / "data" / "web").glob("*.ds"))
     tokens = np.fromfile(ds, dtype=np.uint16)
@@ -145,8 +146,8 @@ def test_mixture_counts_match_weights():
     counts = split_budget(1001, {"a": 0.5, "b": 0.3, "c": 0.2})
     assert sum(counts.values()) == 1001 and counts == {"a": 501, "b": 300, "c": 200}
     recipe = parse_recipe(micro_recipe(), "micro")
-    manifest = resolve_mixtures(recipe.pretrain, {"prose": 10_000, "code": 10_000, "math": 10_000})
-    for stage, cfg in zip(manifest["stages"], recipe.pretrain.stages):
+    manifest = resolve_mixtures(mixture_phases(recipe.pretrain), 4, {"prose": 10_000, "code": 10_000, "math": 10_000})
+    for stage, cfg in zip(manifest["phases"], recipe.pretrain.phases):
         drawn = {k: v["tokens"] for k, v in stage["sources"].items()}
         assert sum(drawn.values()) == cfg.tokens
         for source, weight in cfg.mixture.items():
@@ -154,16 +155,17 @@ def test_mixture_counts_match_weights():
 
 
 def test_repeating_a_small_source_warns_then_fails():
-    recipe = parse_recipe(micro_recipe(**{"pretrain.stages.0.tokens": 2000}), "micro")
-    # math draws 200 + 600 + 800 + 200 tokens over the four stages
-    manifest = resolve_mixtures(recipe.pretrain, {"prose": 10_000, "code": 10_000, "math": 600})
+    recipe = parse_recipe(micro_recipe(**{"pretrain.phases.0.tokens": 2000}), "micro")
+    # math draws 200 + 600 + 800 + 200 tokens over the four phases
+    phases, epochs = mixture_phases(recipe.pretrain), recipe.pretrain.max_epochs
+    manifest = resolve_mixtures(phases, epochs, {"prose": 10_000, "code": 10_000, "math": 600})
     assert manifest["warnings"] == [
-        "stage2: math repeated 1.33x so far (800 of 600 tokens)",
-        "stage3: math repeated 2.67x so far (1,600 of 600 tokens)",
+        "phase2: math repeated 1.33x so far (800 of 600 tokens)",
+        "phase3: math repeated 2.67x so far (1,600 of 600 tokens)",
         "long_context: math repeated 3.00x so far (1,800 of 600 tokens)",
     ]
-    with pytest.raises(MixtureError, match=r"stages\[2\] \(stage3\): source 'math' would be repeated 4.6 times"):
-        resolve_mixtures(recipe.pretrain, {"prose": 10_000, "code": 10_000, "math": 350})
+    with pytest.raises(MixtureError, match=r"phases\[2\] \(phase3\): source 'math' would be repeated 4.6 times"):
+        resolve_mixtures(phases, epochs, {"prose": 10_000, "code": 10_000, "math": 350})
 
 
 def test_executor_construction_for_clusters(tmp_path):

@@ -1,5 +1,5 @@
 """The deployed pipeline, end to end: a real `prefect server start`, work pool, worker and automation
-(infra/server.py), `prefect deploy --all` from prefect.yaml, and `prefect deployment run`."""
+(flows/server.py), `prefect deploy --all` from prefect.yaml, and `prefect deployment run`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from infra.server import Server
+from flows.server import Server
 from tests.conftest import free_port
 from tests.helpers import REPO, micro_recipe, write_recipe
 
@@ -86,7 +86,7 @@ def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_e
 
     # kill the flow run's processes (flow + trainer) once a pretraining checkpoint exists: a crashed worker job
     deadline = time.time() + 900
-    while not list((run_dir / ".partial" / "pretrain_stage1" / "checkpoints").glob("step*/checkpoint.json")):
+    while not list((run_dir / ".partial" / "pretrain_phase1" / "checkpoints").glob("step*/checkpoint.json")):
         assert time.time() < deadline, "pretraining never wrote a checkpoint"
         time.sleep(0.5)
     victims = flow_run_processes(server)
@@ -101,10 +101,10 @@ def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_e
 
     # every stage ran, each model was evaluated, and the report card shows them
     manifests = {p.parent.name for p in run_dir.glob("*/manifest.json")}
-    assert {"mixtures", "pretrain_stage1", "pretrain_long_context", "sft"} <= manifests
+    assert {"mixtures", "pretrain_phase1", "pretrain_long_context", "sft"} <= manifests
     records = [json.loads(p.read_text()) for p in (run_dir / "evals" / "results").glob("*.json")]
     labels = {r["model"]["label"] for r in records}
-    assert {"base", "sft"} <= labels and any(label.startswith("stage1/") for label in labels)
+    assert {"base", "sft"} <= labels and any(label.startswith("phase1/") for label in labels)
     checkpoint_tokens = sorted(r["model"]["tokens"] for r in records if r["model"]["kind"] == "checkpoint")
     assert checkpoint_tokens and checkpoint_tokens[0] > 0
     card = (run_dir / "reports" / "card.md").read_text()

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from flows.graph import build_graph
 from infra.errors import StepLocked
 from infra.recipe import EvalCfg, parse_recipe
-from infra.steps import run_step
-from model.checkpoint import EVALUATED, CheckpointStore
+from infra.steps import Step, run_step
+from model.checkpoint import CheckpointStore, mark_evaluated
 from tasks.evaluation.harness import prepare_tasks
 from tasks.evaluation.report import build_report
 from tasks.evaluation.results import ModelRef, ResultStore, local_fingerprint, models_in_run
@@ -93,8 +94,8 @@ def test_a_failing_evaluation_is_reported_not_dropped(tmp_path, heldout):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{}")
-    summary = ev.run([ModelRef(str(broken), local_fingerprint(broken), "stage1/step00000005", "checkpoint", "stage1", 5, 1280)])
-    assert list(summary.failed) == ["stage1/step00000005"] and "failed (exit" in summary.failed["stage1/step00000005"]
+    summary = ev.run([ModelRef(str(broken), local_fingerprint(broken), "phase1/step00000005", "checkpoint", "phase1", 5, 1280)])
+    assert list(summary.failed) == ["phase1/step00000005"] and "failed (exit" in summary.failed["phase1/step00000005"]
     assert ev.store.get(local_fingerprint(broken)) is None
 
 
@@ -133,12 +134,12 @@ def test_step_lock_refuses_a_second_builder_and_survives_a_dead_one(tmp_path):
     built = []
     try:
         with pytest.raises(StepLocked, match=f"pid {sleeper.pid}"):
-            run_step(tmp_path, "train", {"a": 1}, {}, lambda out: built.append(out) or {})
+            run_step(tmp_path, Step("train", "test", lambda cfg, inputs, out: built.append(out) or {}, EvalCfg()), {})
         assert built == []
     finally:
         sleeper.kill()
         sleeper.wait()
-    out = run_step(tmp_path, "train", {"a": 1}, {}, lambda out: built.append(out) or {"ok": True})
+    out = run_step(tmp_path, Step("train", "test", lambda cfg, inputs, out: built.append(out) or {"ok": True}, EvalCfg()), {})
     assert out.summary == {"ok": True} and len(built) == 1 and not lock.exists()
 
 
@@ -150,9 +151,8 @@ def test_prune_holds_checkpoints_until_evaluated(tmp_path):
         store.commit(f"step{step:08d}", step, {})
     # newest kept, the two newest unevaluated older ones held, the oldest pruned
     assert store.local_tags() == ["step00000002", "step00000003", "step00000004"]
-    (tmp_path / EVALUATED).mkdir()
-    (tmp_path / EVALUATED / "step00000002").touch()
-    (tmp_path / EVALUATED / "step00000003").touch()
+    mark_evaluated(tmp_path / "step00000002")  # what the evaluator calls once it scored a checkpoint
+    mark_evaluated(tmp_path / "step00000003")
     store.prune()
     assert store.local_tags() == ["step00000004"]
 
@@ -160,7 +160,7 @@ def test_prune_holds_checkpoints_until_evaluated(tmp_path):
 def test_report_card_from_a_run_dir(tmp_path):
     recipe = parse_recipe(micro_recipe(), "micro")
     run = tmp_path / "run"
-    stage = run / "pretrain_stage1"
+    stage = run / "pretrain_phase1"
     (stage / "checkpoints" / "step00000005" / "hf").mkdir(parents=True)
     (stage / "checkpoints" / "step00000005" / "hf" / "config.json").write_text("{}")
     (stage / "checkpoints" / "step00000005" / "checkpoint.json").write_text(
@@ -168,29 +168,30 @@ def test_report_card_from_a_run_dir(tmp_path):
     )
     (stage / "metrics.jsonl").write_text(
         "\n".join(
-            json.dumps({"stage": "stage1", "tokens": 256 * s, "loss": 6 - s / 10, "tokens_per_s": 900.0, "mfu": 0.2}) for s in range(1, 6)
+            json.dumps({"phase": "phase1", "tokens": 256 * s, "loss": 6 - s / 10, "tokens_per_s": 900.0, "mfu": 0.2}) for s in range(1, 6)
         )
     )
     (stage / "manifest.json").write_text(
-        json.dumps({"name": "pretrain_stage1", "step_id": "x", "fingerprint": "f", "seconds": 12.0, "summary": {}})
+        json.dumps({"name": "pretrain_phase1", "step_id": "x", "fingerprint": "f", "seconds": 12.0, "summary": {}})
     )
     (run / "sft").mkdir()
     ladder = {"eval_before": {"accuracy": 0.0, "mean_answer_tokens": 40.0}, "eval": {"accuracy": 0.25, "mean_answer_tokens": 20.0}}
     (run / "sft" / "manifest.json").write_text(
         json.dumps({"name": "sft", "step_id": "y", "fingerprint": "g", "seconds": 30.0, "summary": ladder})
     )
-    models = models_in_run(run, recipe)
-    assert [(m.label, m.tokens) for m in models] == [("stage1/step00000005", 1280)]
+    graph = build_graph(recipe)
+    models = models_in_run(run, graph.steps)
+    assert [(m.label, m.tokens) for m in models] == [("phase1/step00000005", 1280)]
     store = ResultStore(str(run / "evals" / "results"))
-    store.put(models[0], {"smol_arithmetic_cf": {"acc": 0.3, "acc_norm": 0.2}, "smol_ppl_code": {"bits_per_byte": 2.5}}, 150, 3.0)
+    store.put(models[0], {"smol_arithmetic_cf": {"acc": 0.3, "acc_norm": 0.2}, "smol_ppl_code": {"bits_per_byte": 2.5}}, "k", 150, 3.0)
 
-    card = build_report(run, recipe)
+    card = build_report(run, recipe.name, graph.steps)
     text = card.path.read_text()
     assert [p.name for p in card.plots] == ["pretrain.png", "evals.png", "postrain.png", "wall_time.png"]
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in card.plots)
-    assert "| stage1 | 5 | 1,280 | 5.500 | 900 | 20.0% |" in text
-    assert "| stage1/step00000005 | 0.300 | 2.500 |" in text
-    assert "| SFT | 25.0% |  | 20.0 |" in text
+    assert "| phase1 | 5 | 1,280 | 5.500 | 900 | 20.0% |" in text
+    assert "| phase1/step00000005 | 0.300 | 2.500 |" in text
+    assert "| sft | 25.0% |  | 20.0 |" in text and "**2 of 17 steps finished** (pretrain_phase1, sft)" in text
     assert "## Curation" in text and "_not run yet_" in text  # sections without data say so
 
 
@@ -203,7 +204,7 @@ def test_a_task_without_documents_is_skipped_with_a_warning(tmp_path, heldout, c
     with caplog.at_level(logging.WARNING, logger="test"):
         ev = evaluator(tmp_path, empty, cfg)
     assert list(ev.no_data) == ["smol_ppl_code"] and "heldout_fraction" in caplog.text
-    ref = ModelRef(str(tmp_path), "fp", "stage1/step00000005", "checkpoint", "stage1")
+    ref = ModelRef(str(tmp_path), "fp", "phase1/step00000005", "checkpoint", "phase1")
     assert ev.task_groups(ref) == [(["smol_arithmetic_cf"], False)]
 
 
@@ -221,12 +222,12 @@ def test_mirrored_checkpoints_are_found_and_fingerprinted_from_s3_listings(tmp_p
     hf.mkdir()
     (hf / "config.json").write_text('{"a": 1}')
     (hf / "model.safetensors").write_bytes(b"weights" * 100)
-    remote = "evals-bucket/run/checkpoints/pretrain_stage1-abc/step00000010"
+    remote = "evals-bucket/run/checkpoints/pretrain_phase1-abc/step00000010"
     fs.put(str(hf), f"{remote}/hf", recursive=True)
     fs.pipe(f"{remote}/checkpoint.json", json.dumps({"step": 10, "tokens": 2560, "files": {}}).encode())
 
-    [model] = models_in_prefix("s3://evals-bucket/run", s3)
-    assert (model.label, model.step, model.tokens, model.kind) == ("stage1/step00000010", 10, 2560, "checkpoint")
+    [model] = models_in_prefix("s3://evals-bucket/run", s3, build_graph(parse_recipe(micro_recipe(), "micro")).steps)
+    assert (model.label, model.step, model.tokens, model.kind) == ("phase1/step00000010", 10, 2560, "checkpoint")
     assert model.fingerprint == local_fingerprint(hf)  # same key as the local copy: its results are shared
     copy = download_folder(model.path, tmp_path / "copy", s3)
     assert local_fingerprint(copy) == model.fingerprint

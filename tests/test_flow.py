@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from flows.curate import curate_flow
+from flows.pipeline import curate_flow
 from infra.steps import MANIFEST
 from tests.helpers import REPO, micro_recipe, write_jsonl, write_recipe
 
-STEPS = ["corpus", "ingest", "filter", "dedup", "decont", "tokenizer", "tokenize", "mixtures"]
+STEPS = ["corpus", "ingest", "filter", "dedup", "decontaminate", "tokenizer", "tokenize", "mixtures"]
 
 
 def started(run_dir) -> dict[str, str]:
@@ -34,7 +34,7 @@ def test_curate_flow_caches_and_reruns_only_downstream(tmp_path, prefect_server)
     first = started(run_dir)
     assert set(first) == set(STEPS)
     mixtures = json.loads((run_dir / "mixtures" / "mixtures.json").read_text())
-    assert [s["name"] for s in mixtures["stages"]] == ["stage1", "stage2", "stage3", "long_context"]
+    assert [s["name"] for s in mixtures["phases"]] == ["phase1", "phase2", "phase3", "long_context"]
 
     async def artifact_keys():
         async with get_client() as client:
@@ -68,7 +68,7 @@ def test_curate_reads_raw_from_s3_and_mirrors_every_step(tmp_path, prefect_serve
     data = micro_recipe()
     data["sources"].append({"name": "remote", "domain": "web", "format": "jsonl", "path": "s3://raw-bucket/raw"})
     data["curate"]["filters"]["web"] = {}
-    for stage in data["pretrain"]["stages"]:
+    for stage in data["pretrain"]["phases"]:
         stage["mixture"] = {"prose": 0.3, "code": 0.3, "math": 0.2, "remote": 0.2}
     data["storage"] = {
         "s3": {"endpoint_url": s3_server["endpoint"], "key": "testing", "secret": "testing-secret"},
@@ -97,11 +97,11 @@ def test_cli_help_and_clear_errors(tmp_path):
     out = subprocess.run([*smolflow, "--help"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0 and all(cmd in out.stdout for cmd in ("validate", "run", "stage"))
     data = micro_recipe()
-    data["pretrain"]["stages"][0]["mixture"]["prose"] = 0.9
+    data["pretrain"]["phases"][0]["mixture"]["prose"] = 0.9
     bad = write_recipe(tmp_path / "bad.yaml", data)
     out = subprocess.run([*smolflow, "validate", str(bad)], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 2
-    assert f"{bad}: invalid recipe" in out.stderr and "pretrain.stages[0]: mixture weights sum to 1.45" in out.stderr
+    assert f"{bad}: invalid recipe" in out.stderr and "pretrain.phases[0]: mixture weights sum to 1.45" in out.stderr
     assert "Traceback" not in out.stderr
     out = subprocess.run([*smolflow, "stage", "nonsense", str(bad)], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 2 and "unknown stage 'nonsense'; stages: curate" in out.stderr
@@ -159,8 +159,8 @@ def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_ser
     ids = model.generate(**tok("Problem: What is 2 + 3?", return_tensors="pt"), max_new_tokens=4, do_sample=False)
     assert ids.shape[1] > 4
     report = (tmp_path / "run" / "reports" / "pretrain.md").read_text()
-    assert all(f"| {s} |" in report for s in ("stage1", "stage2", "stage3", "long_context"))
-    for stage in ("stage1", "stage2", "stage3", "long_context"):
+    assert all(f"| {s} |" in report for s in ("phase1", "phase2", "phase3", "long_context"))
+    for stage in ("phase1", "phase2", "phase3", "long_context"):
         metrics = (tmp_path / "run" / f"pretrain_{stage}" / "metrics.jsonl").read_text().splitlines()
         assert metrics and all(json.loads(m)["loss"] > 0 for m in metrics)
         for ckpt in (tmp_path / "run" / f"pretrain_{stage}" / "checkpoints").glob("step*"):
@@ -168,7 +168,7 @@ def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_ser
     assert (tmp_path / "run" / "trackio").is_dir()
 
     # post-training starts from there: chat data and SFT through their own flow
-    from flows.post_training import sft_flow
+    from flows.pipeline import sft_flow
 
     sft_final = sft_flow(
         str(recipe),

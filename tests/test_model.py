@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from infra.plan import gpus_needed, plan
-from infra.recipe import ModelCfg, OptimizerCfg, load_recipe, parse_recipe
+from infra.recipe import ModelCfg, load_recipe, parse_recipe
 from model.checkpoint import MARKER, CheckpointStore, is_complete
-from model.data import IGNORE, MixtureBatches, TokenSource, plan_stage
+from model.data import IGNORE, MixtureBatches, TokenSource, sample_order
 from model.network import build_model, count_params, long_context_config, model_config, with_yarn
-from model.train import wsd_lr
+from model.plan import gpus_needed, plan
+from model.train import Schedule
+from tasks.pretrain import train_configs
 from tests.helpers import REPO, micro_recipe
 
 TINY = ModelCfg(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
@@ -82,26 +83,37 @@ def test_flattened_micro_batch_keeps_rows_apart(tmp_path):
 
 def test_batches_are_a_pure_function_of_the_step_and_follow_the_mixture(tmp_path):
     sources = [TokenSource(write_source(tmp_path / n, [list(range(k, k + 50))] * 4)) for n, k in (("a", 0), ("b", 100))]
-    plan_ = plan_stage([30, 10], seed=3, stage_index=1)
-    assert np.bincount(plan_.source_of).tolist() == [30, 10]
-    batches = MixtureBatches(sources, plan_, seq_len=16, micro_batch=2, grad_accum=2, world_size=2)
+    order = sample_order([30, 10], seed=3, phase_index=1)
+    assert np.bincount(order.source_of).tolist() == [30, 10]
+    batches = MixtureBatches(sources, order, seq_len=16, micro_batch=2, batch_size=8)
     assert batches.steps == 5
-    again = MixtureBatches(sources, plan_stage([30, 10], seed=3, stage_index=1), 16, 2, 2, 2)
+    again = MixtureBatches(sources, sample_order([30, 10], seed=3, phase_index=1), 16, 2, 8)
     for step in range(batches.steps):
         for rank in range(2):
-            a, b = batches.micro_batches(step, rank), again.micro_batches(step, rank)
-            assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b))
-    seen = torch.cat([mb["input_ids"] for s in range(5) for r in range(2) for mb in batches.micro_batches(s, r)])
+            a, b = batches.micro_batches(step, rank, 2), again.micro_batches(step, rank, 2)
+            assert len(a) == 2 and all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b))
+    seen = torch.cat([mb["input_ids"] for s in range(5) for r in range(2) for mb in batches.micro_batches(s, r, 2)])
     assert ((seen[:, 0] >= 100).sum().item(), (seen[:, 0] < 100).sum().item()) == (10, 30)
+    # one rank with micro-batch 4 sees exactly the samples two ranks of micro-batch 2 see at each step
+    for step in range(batches.steps):
+        one = torch.cat([mb["input_ids"] for mb in MixtureBatches(sources, order, 16, 4, 8).micro_batches(step, 0, 1)])
+        two = torch.cat([mb["input_ids"] for r in range(2) for mb in batches.micro_batches(step, r, 2)])
+        assert torch.equal(one, two)
 
 
 def test_warmup_stable_decay_schedule():
-    opt = OptimizerCfg(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, decay_fraction=0.2)
-    lrs = [wsd_lr(s, 100, opt) for s in range(100)]
+    schedule = Schedule(steps=100, total=100, warmup=10, decay_start=80, peak=1.0, floor=0.1)
+    lrs = [schedule.lr(s) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert set(lrs[10:80]) == {1.0}
     assert lrs[80] < 1.0 and lrs[-1] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[80:], lrs[81:]))
+    # the schedule is global: the recipe's phases continue it, the long-context phase runs at a constant rate
+    data = micro_recipe(**{"pretrain.optimizer.warmup_steps": 3, "pretrain.optimizer.decay_fraction": 0.2})
+    phases = [c.schedule for c in train_configs(parse_recipe(data, "m"))]
+    assert [s.offset for s in phases] == [0, 31, 38, 45] and phases[0].total == 45 and phases[0].decay_start == 36
+    assert phases[1].lr(0) == phases[0].peak and phases[2].lr(phases[2].steps - 1) == pytest.approx(phases[0].floor)
+    assert phases[3].constant is not None and phases[3].lr(0) == phases[3].lr(7)
 
 
 def test_long_context_config_and_yarn():
@@ -175,16 +187,18 @@ def test_checkpoints_mirror_to_s3_and_come_back(tmp_path, s3_server):
 def test_planner_matches_the_playbook():
     # 3B parameters, 11T tokens, 30% MFU of 720 TFLOP/s, 4 weeks
     assert round(gpus_needed(6 * 3e9 * 11e12, 720e12, 0.3, 28 * 86400)) == 379
-    result = plan(load_recipe(REPO / "configs" / "smollm3-3b.yaml"))
+    r = load_recipe(REPO / "configs" / "smollm3-3b.yaml")
+    result = plan(r.model, r.pretrain, r.model.vocab_size)
     assert result.gpus == 384 and 3.0e9 < result.params < 3.1e9
-    stage1 = result.stages[0]
+    stage1 = result.phases[0]
     assert stage1.global_batch_tokens == 192 * 3 * 4096 == 2_359_296 and not stage1.problems
 
 
 def test_planner_flags_bad_plans():
-    data = micro_recipe(**{"pretrain.global_batch_tokens": 5000, "pretrain.hardware": {"memory_gb": 0.001}})
-    problems = plan(parse_recipe(data, "m")).stages[0].problems
-    assert any("global batch of 5,000 tokens" in p for p in problems)
+    data = micro_recipe(**{"pretrain.parallel": {"dp": 3}, "pretrain.hardware": {"memory_gb": 0.001}})
+    r = parse_recipe(data, "m")
+    problems = plan(r.model, r.pretrain, 512).phases[0].problems
+    assert any("batch_size 4 is not a multiple of DP 3 x micro-batch 4" in p for p in problems)
     assert any("GiB per GPU with ZeRO-0" in p for p in problems)
 
 

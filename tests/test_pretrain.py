@@ -1,4 +1,4 @@
-"""The trainer as its own process: exact resume after SIGKILL, stage chaining, torchrun, HF checkpoints."""
+"""The trainer as its own process: exact resume after SIGKILL, phase chaining, torchrun, HF checkpoints."""
 
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from infra.launch import kill_tree, launch_command, launch_env, run_streaming
-from infra.recipe import LauncherCfg, parse_recipe
-from model.train import TrainJob
+from infra.recipe import CheckpointCfg, LauncherCfg, ModelCfg
+from model.train import Schedule, TrainConfig, TrainJob
 from tasks.curation import tokenizer as bpe
-from tests.helpers import micro_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -41,53 +40,56 @@ def data(tmp_path_factory):
     return root
 
 
-def make_job(data: Path, out: Path, stage_index: int = 0, launcher: dict | None = None, **fields) -> Path:
-    recipe = micro_recipe()
-    recipe["model"] = {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    }
-    recipe["pretrain"].update(
-        seq_len=32,
-        micro_batch_size=4,
+MODEL = ModelCfg(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+
+
+def make_job(data: Path, out: Path, phase: int = 0, world: int = 1, batch_size: int = 4, **fields) -> Path:
+    """Phase 0: 10k tokens of seq 32 (78 steps of 4); phase 1: long context, 4k tokens of seq 64."""
+    long = phase == 1
+    seq, tokens, batch = (64, 4000, 2) if long else (32, 10_000, batch_size)
+    samples = {n: tokens // 2 // seq for n in ("a", "b")}
+    steps = sum(samples.values()) // batch
+    schedule = Schedule(
+        steps=steps, total=78, warmup=3, decay_start=78 - int(78 * 0.3), peak=1e-2, floor=1e-3, constant=1e-3 if long else None
+    )
+    config = TrainConfig(
+        phase="long" if long else "s1",
+        index=phase,
+        seed=5,
+        model=MODEL,
+        samples=samples,
+        seq_len=seq,
+        batch_size=batch,
+        schedule=schedule,
+        z_loss=1e-4,
+        rope_theta=1e5 if long else None,
+        yarn_factor=2.0 if long else None,
+        micro_batch_size=batch // world,
+        checkpoint=CheckpointCfg(every_steps=3, every_minutes=60, keep_last=2),
+        threads=1,
         log_every=1,
         tracking="none",
-        checkpoint={"every_steps": 3, "every_minutes": 60, "keep_last": 2},
-        optimizer={"lr": 1e-2, "warmup_steps": 3, "decay_fraction": 0.3, "z_loss": 1e-4},
-        launcher=launcher or {"kind": "python", "nproc": 1, "threads_per_rank": 1},
-        stages=[
-            {"name": "s1", "tokens": 10_000, "mixture": {"a": 0.5, "b": 0.5}},
-            {"name": "long", "tokens": 4_000, "seq_len": 64, "micro_batch_size": 2, "rope_theta": 1e5, "mixture": {"a": 0.5, "b": 0.5}},
-        ],
-        yarn_factor=2.0,
+        peak_flops=1e11,
     )
-    r = parse_recipe({**recipe, "sources": [{"name": n, "domain": "prose", "format": "embedded"} for n in ("a", "b")]}, "t")
     out.mkdir(parents=True, exist_ok=True)
-    p = r.pretrain
-    stage = p.stages[stage_index]
-    windows = {n: stage.tokens // 2 // p.stage_seq_len(stage) for n in ("a", "b")}
     job = TrainJob(
-        run_name="t",
-        stage_index=stage_index,
-        seed=5,
-        model=r.model,
-        pretrain=p,
+        config=config,
         sources={n: str(data / n) for n in ("a", "b")},
-        samples=windows,
         tokenizer_dir=str(data / "tok"),
         out_dir=str(out),
         checkpoint_dir=str(out / "checkpoints"),
-        total_main_steps=78,
-        last_stage=stage_index == 1,
-        peak_flops=1e11,
         **fields,
     )
     path = out / "job.json"
     path.write_text(job.model_dump_json())
     return path
+
+
+def edit(job: Path, **config) -> None:
+    """Change fields of the job's TrainConfig in place."""
+    text = json.loads(job.read_text())
+    text["config"].update(config)
+    job.write_text(json.dumps(text))
 
 
 def run_job(job: Path, launcher: LauncherCfg | None = None) -> list[str]:
@@ -160,14 +162,14 @@ def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(data, refe
     assert losses(out) == pytest.approx(losses(reference), rel=1e-6, abs=1e-7)
 
 
-def test_long_context_stage_starts_from_previous_weights_and_exports_yarn(data, reference, tmp_path):
+def test_long_context_phase_starts_from_previous_weights_and_exports_yarn(data, reference, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from model.train import initial_model
 
-    job_path = make_job(data, tmp_path / "long", stage_index=1, init_from=str(reference / "final"))
+    job_path = make_job(data, tmp_path / "long", phase=1, init_from=str(reference / "final"))
     job = TrainJob.model_validate_json(job_path.read_text())
-    start = initial_model(job, 0, {}, None)  # the vocabulary comes from the previous stage's config
+    start = initial_model(job, 0, {}, None)  # the vocabulary comes from the previous phase's config
     previous = AutoModelForCausalLM.from_pretrained(reference / "final")
     assert start.config.max_position_embeddings == 64 and start.config.rope_parameters["rope_theta"] == 1e5
     for (name, a), (_, b) in zip(start.state_dict().items(), previous.state_dict().items()):
@@ -176,21 +178,22 @@ def test_long_context_stage_starts_from_previous_weights_and_exports_yarn(data, 
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "long" / "final")
     assert final.config.rope_parameters["rope_type"] == "yarn" and final.config.max_position_embeddings == 128
     tok = AutoTokenizer.from_pretrained(tmp_path / "long" / "final")
-    out = final.generate(**tok("def f(x):", return_tensors="pt"), max_new_tokens=5, do_sample=False)
-    assert out.shape[1] > 3
+    prompt = tok("def f(x):", return_tensors="pt")
+    out = final.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] == prompt["input_ids"].shape[1] + 5  # five tokens generated beyond the prompt
     ckpt = max((tmp_path / "long" / "checkpoints").glob("step*"))
     assert AutoModelForCausalLM.from_pretrained(ckpt / "hf").config.model_type == "smollm3"
 
 
-def test_two_ranks_with_torchrun_then_a_main_stage_continues(data, tmp_path):
-    launcher = {"kind": "torchrun", "nproc": 2, "threads_per_rank": 1}
+def test_two_ranks_with_torchrun_then_a_main_phase_continues(data, tmp_path):
+    launcher = LauncherCfg(kind="torchrun", nproc=2, threads_per_rank=1)
     out = tmp_path / "ddp"
-    run_job(make_job(data, out, launcher=launcher), LauncherCfg(**launcher))
+    run_job(make_job(data, out, world=2, batch_size=8), launcher)
     steps = losses(out)
-    assert max(steps) == 39 and all(np.isfinite(list(steps.values())))  # 78 windows / (4 x 2 ranks)
-    # a second main stage loads the first one's DeepSpeed checkpoint (weights and optimizer state)
-    job = make_job(data, tmp_path / "s2", launcher=launcher, init_from=str(out / "checkpoints"))
-    lines = run_job(job, LauncherCfg(**launcher))
+    assert max(steps) == 39 and all(np.isfinite(list(steps.values())))  # 312 windows / batches of 8 (4 x 2 ranks)
+    # a second main phase loads the first one's DeepSpeed checkpoint (weights and optimizer state)
+    job = make_job(data, tmp_path / "s2", world=2, batch_size=8, init_from=str(out / "checkpoints"))
+    lines = run_job(job, launcher)
     assert any("continuing from" in line for line in lines)
     first, trained = losses(tmp_path / "s2"), losses(out)
     assert first[1] < 0.5 * trained[1]  # it starts from trained weights, not from scratch
@@ -201,7 +204,7 @@ def test_cancelled_launch_leaves_no_rank_behind(data, tmp_path):
     import psutil
 
     launcher = LauncherCfg(kind="torchrun", nproc=2, threads_per_rank=1)
-    job = make_job(data, tmp_path / "cancel", launcher=launcher.model_dump())
+    job = make_job(data, tmp_path / "cancel", world=2, batch_size=8)
     proc = subprocess.Popen(
         launch_command(launcher, "model.train", [str(job)], port=29877),
         env=launch_env(launcher),
@@ -219,20 +222,18 @@ def test_cancelled_launch_leaves_no_rank_behind(data, tmp_path):
 
 
 def test_resume_on_fewer_ranks_goes_through_a_universal_checkpoint(data, tmp_path):
-    """2 ranks of ZeRO-2 stop mid-stage; 1 rank (same global batch via grad_accum 2) finishes the stage."""
+    """2 ranks of ZeRO-2 stop mid-phase; 1 rank (the same global batch of 8, as 2 micro-batches of 4) finishes it."""
     out = tmp_path / "zero2"
-    two = {"kind": "torchrun", "nproc": 2, "threads_per_rank": 1}
-    job = make_job(data, out, launcher=two, stop_after_steps=7)
-    text = json.loads(job.read_text())
-    text["pretrain"]["zero_stage"] = 2
-    job.write_text(json.dumps(text))
-    run_job(job, LauncherCfg(**two))
+    job = make_job(data, out, world=2, batch_size=8, stop_after_steps=7)
+    edit(job, zero_stage=2)
+    run_job(job, LauncherCfg(kind="torchrun", nproc=2, threads_per_rank=1))
     assert not (out / "summary.json").exists()
 
-    text["pretrain"].update(grad_accum=2, launcher={"kind": "python", "nproc": 1, "threads_per_rank": 1})
+    text = json.loads(job.read_text())
     text["stop_after_steps"] = None
     job.write_text(json.dumps(text))
     lines = run_job(job)
+    assert any("1 rank(s) x 2 micro-batch(es) of 4" in line for line in lines)
     assert any("converting step00000006 to a universal checkpoint" in line for line in lines), "\n".join(lines[-20:])
     assert any("resumed s1 from checkpoint step00000006" in line for line in lines)
     assert json.loads((out / "summary.json").read_text())["steps"] == 39
@@ -240,12 +241,10 @@ def test_resume_on_fewer_ranks_goes_through_a_universal_checkpoint(data, tmp_pat
 
 @pytest.mark.parametrize("policy", ["skip", "rollback"])
 def test_loss_spike_policies(data, tmp_path, policy):
-    """A hair-trigger spike factor makes ordinary noise count as spikes: each policy acts and the stage finishes."""
+    """A hair-trigger spike factor makes ordinary noise count as spikes: each policy acts and the phase finishes."""
     job = make_job(data, tmp_path / policy)
-    text = json.loads(job.read_text())
-    text["pretrain"]["spike"] = {"policy": policy, "factor": 1.02, "warmup_steps": 6}
-    text["pretrain"]["optimizer"]["lr"] = 5e-2  # a high learning rate makes the loss jumpy
-    job.write_text(json.dumps(text))
+    schedule = json.loads(job.read_text())["config"]["schedule"] | {"peak": 5e-2}  # a high learning rate makes the loss jumpy
+    edit(job, spike={"policy": policy, "factor": 1.02, "warmup_steps": 6}, schedule=schedule)
     lines = run_job(job)
     assert any("loss spike at step" in line for line in lines)
     if policy == "rollback":
@@ -254,8 +253,121 @@ def test_loss_spike_policies(data, tmp_path, policy):
 
 
 def test_deepspeed_launcher_runs_two_ranks_on_cpu(data, tmp_path):
-    launcher = {"kind": "deepspeed", "nproc": 2, "threads_per_rank": 1}
-    job = make_job(data, tmp_path / "ds", launcher=launcher, stop_after_steps=4)
-    lines = run_job(job, LauncherCfg(**launcher))
+    job = make_job(data, tmp_path / "ds", world=2, batch_size=8, stop_after_steps=4)
+    lines = run_job(job, LauncherCfg(kind="deepspeed", nproc=2, threads_per_rank=1))
     assert any("2 rank(s)" in line for line in lines), "\n".join(lines[-20:])
     assert sorted(losses(tmp_path / "ds")) == [1, 2, 3, 4]
+
+
+def test_a_skipped_batch_leaves_weights_and_optimizer_state_bit_identical(data, tmp_path, monkeypatch):
+    """`skip` and a non-finite loss drop the update: no optimizer call, so no moment, weight-decay or step-count change."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from infra.launch import free_port
+    from model.data import MixtureBatches, TokenSource, sample_order
+    from model.train import build_engine, setup_distributed, train_step
+
+    for key, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }.items():
+        monkeypatch.setenv(key, value)
+    job = TrainJob.model_validate_json(make_job(data, tmp_path).read_text())
+    cfg = job.config
+    setup_distributed()
+    try:
+        tok = AutoTokenizer.from_pretrained(data / "tok")
+        engine, optimizer = build_engine(job, 1, len(tok), {"eos_token_id": tok.eos_token_id}, None, universal=False)
+        batches = MixtureBatches([TokenSource(data / n) for n in cfg.samples], sample_order(list(cfg.samples.values()), 5, 0), 32, 4, 4)
+
+        def state() -> dict:
+            weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+            moments = {(i, k): v.clone() for i, s in optimizer.state_dict()["state"].items() for k, v in s.items()}
+            return {"weights": weights, "moments": moments, "steps": engine.global_steps}
+
+        def same(a: dict, b: dict) -> bool:
+            return a["steps"] == b["steps"] and all(torch.equal(a[part][k], b[part][k]) for part in ("weights", "moments") for k in a[part])
+
+        initial = state()
+        _, dropped = train_step(engine, batches.micro_batches(0, 0, 1), cfg, lambda loss: False)
+        trained = state()
+        assert not dropped and not same(initial, trained) and trained["moments"], "a normal step updates weights and moments"
+
+        loss, dropped = train_step(engine, batches.micro_batches(1, 0, 1), cfg, lambda loss: True)  # the guard says: spike
+        assert dropped and same(trained, state())
+
+        def overflow(module, args, out):  # logits that overflowed: the loss is no longer finite
+            return type(out)(**{**out, "logits": out.logits * float("inf")})
+
+        hook = engine.module.register_forward_hook(overflow)
+        loss, dropped = train_step(engine, batches.micro_batches(2, 0, 1), cfg, lambda loss: False)
+        hook.remove()
+        assert dropped and not np.isfinite(loss) and same(trained, state())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_phase_killed_on_two_ranks_resumes_on_one(tmp_path):
+    """The rank count is operational: a 2-rank ZeRO-1 phase killed mid-way, rerun with `pretrain.launcher.nproc=1`,
+    has the same step id and resumes from its newest checkpoint (re-split through DeepSpeed's universal format)."""
+    import threading
+
+    import psutil
+
+    from flows.graph import build_graph
+    from infra.recipe import parse_recipe
+    from infra.steps import PREVIOUS, run_step, statuses
+    from tasks.pretrain import TrainerFailed
+    from tests.helpers import micro_recipe
+
+    common = {"evaluation.follow": False, "pretrain.zero_stage": 1}
+    two = micro_recipe(
+        **common, **{"pretrain.launcher": {"kind": "torchrun", "nproc": 2, "threads_per_rank": 1}, "pretrain.micro_batch_size": 2}
+    )
+    graph = build_graph(parse_recipe(two, "two ranks"))
+    run_dir, outputs = tmp_path / "run", {}
+
+    def build(step):
+        outputs[step.name] = run_step(run_dir, step, {role: outputs[d.name] for role, d in step.deps.items()})
+
+    for step in graph.stage("curate"):
+        build(step)
+    phase1 = graph.phases[0]
+    checkpoints = run_dir / ".partial" / phase1.name / "checkpoints"
+
+    def kill_after_step_ten() -> None:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            latest = checkpoints / "latest.json"
+            if latest.exists() and json.loads(latest.read_text())["step"] >= 10:
+                for proc in psutil.Process().children(recursive=True):
+                    try:
+                        if "torch.distributed.run" in " ".join(proc.cmdline()):
+                            kill_tree(proc.pid)
+                    except psutil.Error:
+                        pass  # a process that ended while we looked
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_after_step_ten)
+    killer.start()
+    with pytest.raises(TrainerFailed):
+        build(phase1)
+    killer.join()
+    saved = json.loads((checkpoints / "latest.json").read_text())
+    assert 10 <= saved["step"] < 31 and json.loads((checkpoints / saved["tag"] / "checkpoint.json").read_text())["world_size"] == 2
+
+    one = build_graph(parse_recipe(micro_recipe(**common, **{"pretrain.launcher.nproc": 1}), "one rank"))
+    status = next(s for s in statuses(run_dir, one.steps) if s.step.name == phase1.name)
+    assert status.state == "resume", "only an operational value changed: same identity, the partial build resumes"
+    build(one.phases[0])
+    done = run_dir / phase1.name
+    assert outputs[phase1.name].summary["steps"] == 31 and not (run_dir / PREVIOUS).exists()
+    assert (done / "checkpoints" / ".universal" / saved["tag"]).is_dir(), "the 2-rank ZeRO shards were re-split for 1 rank"
+    logged = [json.loads(line)["step"] for line in (done / "metrics.jsonl").read_text().splitlines()]
+    # steps up to the saved checkpoint were trained once: the rerun started from there, not from step 0
+    assert sorted(set(logged)) == list(range(5, 31, 5)) + [31] and all(logged.count(s) == 1 for s in logged if s <= saved["step"])

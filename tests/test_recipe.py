@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from infra.recipe import RecipeError, load_recipe
@@ -18,8 +20,8 @@ def error_for(tmp_path, **changes) -> str:
 def test_shipped_recipes_validate():
     tiny = load_recipe(REPO / "configs" / "tiny.yaml")
     real = load_recipe(REPO / "configs" / "smollm3-3b.yaml")
-    assert [s.name for s in tiny.pretrain.stages][:3] == ["stage1", "stage2", "stage3"]
-    assert real.pretrain.stages[0].tokens == 8 * 10**12
+    assert [s.name for s in tiny.pretrain.phases][:3] == ["phase1", "phase2", "phase3"]
+    assert real.pretrain.phases[0].tokens == 8 * 10**12
     assert any(s.path.startswith("hf://datasets/") for s in real.sources)
 
 
@@ -39,26 +41,36 @@ def test_wrong_type_names_list_index(tmp_path):
 
 
 def test_weights_must_sum_to_one(tmp_path):
-    msg = error_for(tmp_path, **{"pretrain.stages.0.mixture": {"prose": 0.5, "code": 0.2, "math": 0.1}})
-    assert "pretrain.stages[0]" in msg and "sum to 0.8" in msg
+    msg = error_for(tmp_path, **{"pretrain.phases.0.mixture": {"prose": 0.5, "code": 0.2, "math": 0.1}})
+    assert "pretrain.phases[0]" in msg and "sum to 0.8" in msg
 
 
-def test_stage_without_tokens(tmp_path):
-    msg = error_for(tmp_path, **{"pretrain.stages.1.tokens": 0})
-    assert "pretrain.stages[1].tokens" in msg
+def test_phase_without_tokens(tmp_path):
+    msg = error_for(tmp_path, **{"pretrain.phases.1.tokens": 0})
+    assert "pretrain.phases[1].tokens" in msg
 
 
 def test_mixture_names_unknown_source(tmp_path):
-    msg = error_for(tmp_path, **{"pretrain.stages.2.mixture": {"prose": 0.5, "web": 0.5}})
+    msg = error_for(tmp_path, **{"pretrain.phases.2.mixture": {"prose": 0.5, "web": 0.5}})
     assert "unknown source 'web'" in msg
 
 
 def test_filter_parameter_checked_against_datatrove(tmp_path):
+    """The schema knows filter names; their parameters are checked by the curation code when the graph is built
+    (`smolflow validate` and every run do so before anything runs)."""
+    import subprocess
+    import sys
+
     data = micro_recipe()
     data["curate"]["filters"]["prose"]["gopher_quality"] = {"min_doc_wordz": 10}
+    data["curate"]["filters"]["prose"]["c4_badwords"] = {"badwords_path": "words.txt", "keep_fraction": 0.1}  # a subclass's parent
     path = write_recipe(tmp_path / "f.yaml", data)
-    with pytest.raises(RecipeError, match=r"filters\.prose\.gopher_quality: .*no parameter 'min_doc_wordz'"):
-        load_recipe(path)
+    out = subprocess.run([str(Path(sys.executable).parent / "smolflow"), "validate", str(path)], capture_output=True, text=True, cwd=REPO)
+    assert (
+        out.returncode == 2
+        and "curate.filters.prose.gopher_quality: filter 'gopher_quality' has no parameter 'min_doc_wordz'" in out.stderr
+    )
+    assert "c4_badwords" not in out.stderr
 
 
 def test_filter_needing_an_asset_fails_at_validation(tmp_path):
@@ -84,8 +96,8 @@ def test_tokenizer_path_must_be_the_json_file(tmp_path):
 
 def test_overrides_and_token_suffixes(tmp_path):
     path = write_recipe(tmp_path / "ok.yaml", micro_recipe())
-    recipe = load_recipe(path, ["pretrain.stages.0.tokens=1.5M", "curate.strict=true"])
-    assert recipe.pretrain.stages[0].tokens == 1_500_000
+    recipe = load_recipe(path, ["pretrain.phases.0.tokens=1.5M", "curate.strict=true"])
+    assert recipe.pretrain.phases[0].tokens == 1_500_000
     assert recipe.curate.strict is True
     with pytest.raises(RecipeError, match="no item 9"):
         load_recipe(path, ["sources.9.name=x"])
@@ -97,6 +109,19 @@ def test_secrets_are_masked_in_dumps(tmp_path):
     path = write_recipe(tmp_path / "s.yaml", micro_recipe(**{"storage": {"s3": {"key": "AKIA", "secret": "hunter2"}}}))
     dumped = str(recipe_dump(load_recipe(path)))
     assert "hunter2" not in dumped and "AKIA" not in dumped
+
+
+def test_global_batch_must_split_into_micro_batches(tmp_path):
+    msg = error_for(tmp_path, **{"pretrain.phases.3.batch_size": 3})
+    assert "phases[3] (long_context): batch_size 3 is not a multiple of micro_batch_size 2" in msg
+
+
+def test_operational_keys_are_known_from_the_schema():
+    from infra.recipe import operational_key
+
+    assert operational_key("pretrain.launcher.nproc") and operational_key("pretrain.phases.0.micro_batch_size")
+    assert operational_key("storage.s3.endpoint_url") and operational_key("evaluation.threads")
+    assert not operational_key("pretrain.phases.0.tokens") and not operational_key("postrain.apo.beta")
 
 
 def test_missing_file_and_bad_yaml(tmp_path):

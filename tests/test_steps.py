@@ -1,93 +1,120 @@
-"""Step identity, caching and atomic commits (infra/steps.py)."""
+"""Step identity, caching, atomic commits, versions moved aside, statuses and the frozen recipe (infra/steps.py)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from infra.errors import UpstreamMissing
-from infra.steps import MANIFEST, load_step, run_step, step_id
+from infra.recipe import Strict, operational
+from infra.steps import MANIFEST, PREVIOUS, Run, Step, identity, require, run_step, statuses, step_id
+from tests.helpers import micro_recipe, write_recipe
 
 
-def writer(text: str, calls: list):
-    def build(out):
-        calls.append(text)
-        (out / "data.txt").write_text(text)
-        return {"chars": len(text)}
+class Cfg(Strict):
+    v: int = 0
+    threads: int = operational(1)
 
-    return build
+
+def step(name: str, calls: list, text: str = "", deps: dict | None = None, **config) -> Step:
+    """A step whose output is `text` (or its config and inputs), recording each build in `calls`."""
+
+    def build(cfg, inputs, out: Path) -> dict:
+        calls.append(name)
+        (out / "data.txt").write_text(text or json.dumps([identity(cfg), {k: v.fingerprint for k, v in inputs.items()}]))
+        return {"v": cfg.v}
+
+    return Step(name, "test", build, Cfg(**config), deps or {})
 
 
 def test_unchanged_step_is_skipped_and_changed_config_reruns(tmp_path):
     calls: list = []
-    first = run_step(tmp_path, "a", {"p": 1}, {"src": "f1"}, writer("one", calls))
-    again = run_step(tmp_path, "a", {"p": 1}, {"src": "f1"}, writer("one", calls))
-    assert calls == ["one"] and again.cached and again.fingerprint == first.fingerprint
-    changed = run_step(tmp_path, "a", {"p": 2}, {"src": "f1"}, writer("two", calls))
-    assert calls == ["one", "two"] and not changed.cached
-    assert (tmp_path / "a" / "data.txt").read_text() == "two"
-    assert json.loads((tmp_path / "a" / MANIFEST).read_text())["summary"] == {"chars": 3}
+    first = run_step(tmp_path, step("a", calls, v=1), {})
+    again = run_step(tmp_path, step("a", calls, v=1), {})
+    assert calls == ["a"] and again.cached and again.fingerprint == first.fingerprint
+    changed = run_step(tmp_path, step("a", calls, v=2), {})
+    assert calls == ["a", "a"] and not changed.cached
+    assert json.loads((tmp_path / "a" / MANIFEST).read_text())["summary"] == {"v": 2}
+
+
+def test_operational_fields_are_no_part_of_identity():
+    assert identity(Cfg(v=1, threads=8)) == {"v": 1}
+    calls: list = []
+    assert step("a", calls, v=1, threads=1).step_id({}) == step("a", calls, v=1, threads=16).step_id({})
+    assert step("a", calls, v=1).step_id({}) != step("a", calls, v=2).step_id({})
 
 
 def test_downstream_reruns_only_when_upstream_content_changes(tmp_path):
     calls: list = []
-    up = run_step(tmp_path, "up", {"v": 1}, {}, writer("same", calls))
-    down = run_step(tmp_path, "down", {}, {"up": up}, writer("d", calls))
+    up = run_step(tmp_path, step("up", calls, "same", v=1), {})
+    down = run_step(tmp_path, step("down", calls, "d", deps={"x": step("up", calls)}), {"x": up})
     # upstream rebuilt with a new config but identical output: downstream stays cached
-    up2 = run_step(tmp_path, "up", {"v": 2}, {}, writer("same", calls))
+    up2 = run_step(tmp_path, step("up", calls, "same", v=2), {})
     assert up2.fingerprint == up.fingerprint
-    assert run_step(tmp_path, "down", {}, {"up": up2}, writer("d", calls)).cached
-    up3 = run_step(tmp_path, "up", {"v": 3}, {}, writer("different", calls))
-    down3 = run_step(tmp_path, "down", {}, {"up": up3}, writer("d", calls))
+    assert run_step(tmp_path, step("down", calls, "d"), {"x": up2}).cached
+    up3 = run_step(tmp_path, step("up", calls, "different", v=3), {})
+    down3 = run_step(tmp_path, step("down", calls, "d"), {"x": up3})
     assert not down3.cached and down3.step_id != down.step_id
 
 
 def test_failed_build_leaves_no_finished_step(tmp_path):
-    def crash(out):
+    def crash(cfg, inputs, out):
         (out / "half.txt").write_text("half")
         raise RuntimeError("killed")
 
     with pytest.raises(RuntimeError):
-        run_step(tmp_path, "a", {}, {}, crash)
+        run_step(tmp_path, Step("a", "test", crash, Cfg()), {})
     assert not (tmp_path / "a").exists()
     calls: list = []
-    out = run_step(tmp_path, "a", {}, {}, writer("whole", calls))
-    assert calls == ["whole"] and not out.cached
+    out = run_step(tmp_path, step("a", calls), {})
+    assert calls == ["a"] and not out.cached
 
 
-def test_partial_of_same_step_is_resumed_in_place(tmp_path):
-    def crash(out):
-        (out / "shard0").write_text("done")
-        raise RuntimeError("killed after shard 0")
-
-    with pytest.raises(RuntimeError):
-        run_step(tmp_path, "a", {}, {}, crash)
+def test_partial_of_same_step_is_resumed_and_of_another_id_kept_aside(tmp_path):
+    def crash(cfg, inputs, out):
+        (out / f"shard-v{cfg.v}").write_text("done")
+        raise RuntimeError("killed after a shard")
 
     seen = []
 
-    def resume(out):
-        seen.append((out / "shard0").exists())
-        (out / "shard1").write_text("done")
+    def resume(cfg, inputs, out):
+        seen.append(sorted(p.name for p in out.iterdir() if p.name.startswith("shard")))
         return {}
 
-    run_step(tmp_path, "a", {}, {}, resume)
-    assert seen == [True]
-    # a partial folder left by a different step id is wiped, never mixed in
     with pytest.raises(RuntimeError):
-        run_step(tmp_path, "b", {"v": 1}, {}, crash)
+        run_step(tmp_path, Step("a", "test", crash, Cfg(v=1)), {})
+    run_step(tmp_path, Step("a", "test", resume, Cfg(v=1, threads=4)), {})  # only an operational change: same id
+    assert seen == [["shard-v1"]]
+
+    with pytest.raises(RuntimeError):
+        run_step(tmp_path, Step("b", "test", crash, Cfg(v=1)), {})
+    with pytest.raises(RuntimeError):
+        run_step(tmp_path, Step("b", "test", crash, Cfg(v=2)), {})  # another identity: v1's partial is moved aside
+    sid1 = Step("b", "test", crash, Cfg(v=1)).step_id({})
+    assert (tmp_path / PREVIOUS / f"b-{sid1}.partial" / "shard-v1").is_file(), "work of another identity is kept, never deleted"
     seen.clear()
-    run_step(tmp_path, "b", {"v": 2}, {}, resume)
-    assert seen == [False]
+    run_step(tmp_path, Step("b", "test", resume, Cfg(v=1)), {})  # back to v1: its partial build resumes
+    assert seen == [["shard-v1"]]
+
+
+def test_a_finished_version_is_moved_aside_then_restored(tmp_path):
+    calls: list = []
+    v1 = run_step(tmp_path, step("a", calls, "one", v=1), {})
+    run_step(tmp_path, step("a", calls, "two", v=2), {})
+    assert (tmp_path / PREVIOUS / f"a-{v1.step_id}" / "data.txt").read_text() == "one"
+    back = run_step(tmp_path, step("a", calls, "one", v=1), {})
+    assert calls == ["a", "a"] and back.cached and (tmp_path / "a" / "data.txt").read_text() == "one"
+    assert [p.name for p in (tmp_path / PREVIOUS).iterdir()] == [f"a-{step('a', [], v=2).step_id({})}"]
 
 
 def test_folder_without_manifest_is_not_finished(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "data.txt").write_text("stale")
     calls: list = []
-    run_step(tmp_path, "a", {}, {}, writer("fresh", calls))
-    assert calls == ["fresh"]
-    assert (tmp_path / "a" / "data.txt").read_text() == "fresh"
+    run_step(tmp_path, step("a", calls, "fresh"), {})
+    assert calls == ["a"] and (tmp_path / "a" / "data.txt").read_text() == "fresh"
 
 
 def test_step_id_depends_on_config_and_inputs_only():
@@ -95,6 +122,30 @@ def test_step_id_depends_on_config_and_inputs_only():
     assert step_id("a", {"x": 1}, {"i": "f"}) != step_id("a", {"x": 1}, {"i": "g"})
 
 
-def test_missing_upstream_says_what_to_run(tmp_path):
-    with pytest.raises(UpstreamMissing, match="needs the output of step 'mixtures'.*run the stage"):
-        load_step(tmp_path, "mixtures", needed_by="pretrain")
+def test_statuses_name_changed_keys_and_missing_upstream_says_what_to_run(tmp_path):
+    calls: list = []
+    up = step("up", calls, v=1)
+    down = step("down", calls, deps={"x": up})
+    with pytest.raises(UpstreamMissing, match="needs the output of step 'up'.*smolflow stage test"):
+        require(tmp_path, up, statuses(tmp_path, [up])[0], needed_by="down")
+    run_step(tmp_path, down, {"x": run_step(tmp_path, up, {})})
+    assert [s.state for s in statuses(tmp_path, [up, down])] == ["cached", "cached"]
+    up2 = step("up", calls, v=2)
+    changed = statuses(tmp_path, [up2, step("down", calls, deps={"x": up2})])
+    assert [(s.state, s.changes) for s in changed] == [("rerun", [("v", 1, 2)]), ("rerun", [])]
+    assert changed[1].reason == "after up"
+    with pytest.raises(UpstreamMissing, match=r"out of date with the recipe \(v: 1 -> 2\)"):
+        require(tmp_path, up2, changed[0], needed_by="down")
+
+
+def test_a_run_freezes_its_recipe_and_relaunches_read_it(tmp_path):
+    """A YAML edited after the run started changes nothing for stages that read the run dir or relaunch."""
+    path = write_recipe(tmp_path / "r.yaml", micro_recipe())
+    first = Run.open(str(path), str(tmp_path / "run"), owner="flow-run-1")
+    write_recipe(path, micro_recipe(**{"postrain.apo.beta": 0.5}))  # edited mid-run
+    assert Run.open(None, str(tmp_path / "run")).recipe == first.recipe  # a stage flow of the pipeline
+    assert Run.open(str(path), str(tmp_path / "run"), owner="flow-run-1").recipe == first.recipe  # a retry or crash relaunch
+    frozen = json.loads((tmp_path / "run" / "recipe.json").read_text())
+    assert frozen["postrain"]["apo"]["beta"] == 0.1
+    changed = Run.open(str(path), str(tmp_path / "run"), owner="flow-run-2")  # a new run of the edited recipe: explicit
+    assert changed.changes == (("postrain.apo.beta", 0.1, 0.5),) and changed.recipe.postrain.apo.beta == 0.5

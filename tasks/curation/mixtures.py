@@ -1,6 +1,6 @@
-"""Per-stage data mixtures: a token budget and source weights resolved against what curation kept.
+"""Per-phase data mixtures: a token budget and source weights resolved against what curation kept.
 
-datatrove has no mixture class; pretraining samples each stage's sources by these exact token
+datatrove has no mixture class; pretraining samples each phase's sources by these exact token
 counts. A small, high-quality source drawn many times over is the classic way to overfit it (the
 playbook capped math at 3% in stage 1 for this reason), so repeats above one epoch are warned
 about and repeats above the recipe's `max_epochs` fail.
@@ -12,11 +12,20 @@ import math
 from typing import Any
 
 from infra.errors import SmolflowError
-from infra.recipe import PretrainCfg
+from infra.recipe import Strict
 
 
 class MixtureError(SmolflowError):
-    """A stage cannot be drawn from the curated data as the recipe asks."""
+    """A phase cannot be drawn from the curated data as the recipe asks."""
+
+
+class MixturePhase(Strict):
+    """What the mixtures step reads of a pretraining phase: its budget, weights and sequence length."""
+
+    name: str
+    tokens: int
+    mixture: dict[str, float]
+    seq_len: int
 
 
 def split_budget(tokens: int, weights: dict[str, float]) -> dict[str, int]:
@@ -29,36 +38,41 @@ def split_budget(tokens: int, weights: dict[str, float]) -> dict[str, int]:
     return counts
 
 
-def resolve_mixtures(pretrain: PretrainCfg, available: dict[str, int]) -> dict[str, Any]:
-    """The mixture manifest: per stage and source, tokens drawn, tokens available and epochs.
+def windows(phase: MixturePhase) -> dict[str, int]:
+    """`seq_len` windows the phase draws from each source: a function of the recipe alone."""
+    return {source: tokens // phase.seq_len for source, tokens in split_budget(phase.tokens, phase.mixture).items()}
 
-    Repetition counts across stages: a source seen twice in stage 1 and twice more in stage 2 has
-    been repeated four times by the end of stage 2, and that is what `max_epochs` bounds.
+
+def resolve_mixtures(phases: list[MixturePhase], max_epochs: float, available: dict[str, int]) -> dict[str, Any]:
+    """The mixture manifest: per phase and source, tokens drawn, tokens available and epochs.
+
+    Repetition counts across phases: a source seen twice in phase 1 and twice more in phase 2 has
+    been repeated four times by the end of phase 2, and that is what `max_epochs` bounds.
     """
-    stages, warnings = [], []
+    resolved, warnings = [], []
     drawn_so_far: dict[str, int] = {}
-    for i, stage in enumerate(pretrain.stages):
+    for i, phase in enumerate(phases):
         rows = {}
-        for source, tokens in split_budget(stage.tokens, stage.mixture).items():
+        for source, tokens in split_budget(phase.tokens, phase.mixture).items():
             have = available.get(source, 0)
             if have == 0:
-                raise MixtureError(f"pretrain.stages[{i}] ({stage.name}): source {source!r} has no tokens left after curation")
+                raise MixtureError(f"pretrain.phases[{i}] ({phase.name}): source {source!r} has no tokens left after curation")
             drawn_so_far[source] = drawn_so_far.get(source, 0) + tokens
             cumulative = drawn_so_far[source] / have
-            if cumulative > pretrain.max_epochs:
+            if cumulative > max_epochs:
                 raise MixtureError(
-                    f"pretrain.stages[{i}] ({stage.name}): source {source!r} would be repeated {cumulative:.1f} times "
-                    f"by the end of this stage ({drawn_so_far[source]:,} tokens drawn from {have:,}), over "
-                    f"pretrain.max_epochs={pretrain.max_epochs:g}: lower its weight or the stages' tokens"
+                    f"pretrain.phases[{i}] ({phase.name}): source {source!r} would be repeated {cumulative:.1f} times "
+                    f"by the end of this phase ({drawn_so_far[source]:,} tokens drawn from {have:,}), over "
+                    f"pretrain.max_epochs={max_epochs:g}: lower its weight or the phases' tokens"
                 )
             if cumulative > 1:
-                warnings.append(f"{stage.name}: {source} repeated {cumulative:.2f}x so far ({drawn_so_far[source]:,} of {have:,} tokens)")
+                warnings.append(f"{phase.name}: {source} repeated {cumulative:.2f}x so far ({drawn_so_far[source]:,} of {have:,} tokens)")
             rows[source] = {
-                "weight": stage.mixture[source],
+                "weight": phase.mixture[source],
                 "tokens": tokens,
                 "available": have,
                 "epochs": round(tokens / have, 4),
                 "cumulative_epochs": round(cumulative, 4),
             }
-        stages.append({"name": stage.name, "tokens": stage.tokens, "seq_len": stage.seq_len or pretrain.seq_len, "sources": rows})
-    return {"stages": stages, "warnings": warnings}
+        resolved.append({"name": phase.name, "tokens": phase.tokens, "seq_len": phase.seq_len, "sources": rows})
+    return {"phases": resolved, "warnings": warnings}

@@ -36,7 +36,7 @@ from datatrove.utils.hashing import create_hash_func
 from datatrove.utils.text import TextNormConfig, ngrams, simplify_text
 
 from infra.errors import DataError
-from infra.recipe import ExecutorCfg, Recipe
+from infra.recipe import DecontaminateCfg, DedupCfg, ExecutorCfg, S3Cfg, SourceCfg
 from tasks.curation.filters import HeldOutSplit, build_filters
 from tasks.curation.readers import list_source_files, make_reader
 from tasks.curation.tokenizer import EOS
@@ -132,18 +132,20 @@ def _tasks_for(cfg: ExecutorCfg, n_files: int) -> int:
 # --- steps -----------------------------------------------------------------------------------
 
 
-def ingest(recipe: Recipe, source_paths: dict[str, str], out: Path) -> dict[str, Any]:
+def ingest(
+    sources: list[SourceCfg], source_paths: dict[str, str], executor: ExecutorCfg, s3: S3Cfg, strict: bool, out: Path
+) -> dict[str, Any]:
     """Read every raw source into uniform JSONL tagged with its source and domain."""
     summary: dict[str, Any] = {"sources": {}}
-    for source in recipe.sources:
-        folder, glob, files = list_source_files(source, source_paths[source.name], recipe.storage.s3)
+    for source in sources:
+        folder, glob, files = list_source_files(source, source_paths[source.name], s3)
         errors_dir = out / "errors" / source.name
-        reader = make_reader(source, folder, glob, recipe.storage.s3, errors_dir, recipe.curate.strict)
+        reader = make_reader(source, folder, glob, s3, errors_dir, strict)
         stats = run_pipeline(
-            recipe.executor,
+            executor,
             [reader, _writer(out / DATA)],
             out / "logs" / source.name,
-            _tasks_for(recipe.executor, len(files)),
+            _tasks_for(executor, len(files)),
             f"ingest-{source.name}",
         )
         docs = count_source_docs(out / DATA / source.name)
@@ -171,21 +173,18 @@ def read_errors(errors_dir: Path, limit: int) -> list[dict]:
     return errors[:limit]
 
 
-def filter_docs(recipe: Recipe, ingested: Path, out: Path) -> dict[str, Any]:
-    """Each source through its domain's quality filters; removed documents are kept per filter."""
+def filter_docs(filters: dict[str, dict[str, dict[str, Any]]], executor: ExecutorCfg, ingested: Path, out: Path) -> dict[str, Any]:
+    """Each source (`filters`: source -> filter -> parameters) through its filters; removed documents are kept per filter."""
     summary: dict[str, Any] = {"sources": {}}
-    for source in recipe.sources:
-        params = recipe.curate.filters[source.domain]
-        in_dir = ingested / DATA / source.name
+    for source, params in filters.items():
+        in_dir = ingested / DATA / source
         pipeline = [
             _reader(in_dir),
-            *build_filters(params, lambda name, s=source.name: _writer(out / "removed" / s / name, by_source=False)),
+            *build_filters(params, lambda name, s=source: _writer(out / "removed" / s / name, by_source=False)),
             _writer(out / DATA),
         ]
         n_files = len(list(in_dir.glob("*.jsonl.gz")))
-        stats = run_pipeline(
-            recipe.executor, pipeline, out / "logs" / source.name, _tasks_for(recipe.executor, n_files), f"filter-{source.name}"
-        )
+        stats = run_pipeline(executor, pipeline, out / "logs" / source, _tasks_for(executor, n_files), f"filter-{source}")
         docs_in = stats[0]["counters"].get("documents", 0)
         removed = {
             name: {
@@ -194,11 +193,7 @@ def filter_docs(recipe: Recipe, ingested: Path, out: Path) -> dict[str, Any]:
             }
             for name, step in zip(params, stats[1 : 1 + len(params)])
         }
-        summary["sources"][source.name] = {
-            "docs_in": docs_in,
-            "docs_out": count_source_docs(out / DATA / source.name),
-            "removed": removed,
-        }
+        summary["sources"][source] = {"docs_in": docs_in, "docs_out": count_source_docs(out / DATA / source), "removed": removed}
     return summary
 
 
@@ -212,9 +207,8 @@ def _text_of(doc) -> str:
     return doc.text
 
 
-def dedup(recipe: Recipe, filtered: Path, out: Path) -> dict[str, Any]:
+def dedup(cfg: DedupCfg, ex: ExecutorCfg, filtered: Path, out: Path) -> dict[str, Any]:
     """Exact dedup, then MinHash near-dedup (datatrove's four stages), across all sources."""
-    cfg, ex = recipe.curate.dedup, recipe.executor
     docs_in = count_docs(filtered / DATA)
     n_files = len(list((filtered / DATA).glob(DOC_FILES)))
     tasks = _tasks_for(ex, n_files)
@@ -348,13 +342,12 @@ def build_decont_index(eval_sets: list[str], fields: list[str], n_grams: int, in
     return counts
 
 
-def decontaminate(recipe: Recipe, deduped: Path, out: Path) -> dict[str, Any]:
-    cfg = recipe.curate.decontamination
+def decontaminate(cfg: DecontaminateCfg, executor: ExecutorCfg, deduped: Path, out: Path) -> dict[str, Any]:
     index_dir = out / "index"
     indexed = build_decont_index(cfg.eval_sets, cfg.fields, cfg.n_grams, index_dir)
     n_files = len(list((deduped / DATA).glob(DOC_FILES)))
     stats = run_pipeline(
-        recipe.executor,
+        executor,
         [
             _reader(deduped / DATA, DOC_FILES),
             NGramsDecontFilter(
@@ -365,9 +358,9 @@ def decontaminate(recipe: Recipe, deduped: Path, out: Path) -> dict[str, Any]:
             ),
             _writer(out / DATA),
         ],
-        out / "logs" / "decont",
-        _tasks_for(recipe.executor, n_files),
-        "decontaminate",
+        out / "logs" / "decontamination",
+        _tasks_for(executor, n_files),
+        "decontamination",
     )
     counters = stats[1]["counters"]
     return {
@@ -383,7 +376,9 @@ def decontaminate(recipe: Recipe, deduped: Path, out: Path) -> dict[str, Any]:
     }
 
 
-def tokenize(recipe: Recipe, decontaminated: Path, tokenizer_json: Path, out: Path) -> dict[str, Any]:
+def tokenize(
+    sources: list[str], executor: ExecutorCfg, seed: int, heldout_fraction: float, decontaminated: Path, tokenizer_json: Path, out: Path
+) -> dict[str, Any]:
     """datatrove's DocumentTokenizer and merger: one shuffled `.ds` token file per source.
 
     A hashed fraction of each source's documents goes to `heldout/SOURCE/` instead: never trained
@@ -392,36 +387,32 @@ def tokenize(recipe: Recipe, decontaminated: Path, tokenizer_json: Path, out: Pa
     from datatrove.pipeline.tokens import DocumentTokenizer, DocumentTokenizerMerger
 
     summary: dict[str, Any] = {"sources": {}}
-    for source in recipe.sources:
-        in_dir = decontaminated / DATA / source.name
+    for source in sources:
+        in_dir = decontaminated / DATA / source
         if not any(in_dir.glob("*.jsonl.gz")):
-            log.warning("tokenize: source %s has no documents left after curation", source.name)
-            summary["sources"][source.name] = {"tokens": 0, "docs": 0}
+            log.warning("tokenize: source %s has no documents left after curation", source)
+            summary["sources"][source] = {"tokens": 0, "docs": 0}
             continue
-        shards = out / "work" / source.name
+        shards = out / "work" / source
         tokenizer = DocumentTokenizer(
             str(shards),
             tokenizer_name_or_path=str(tokenizer_json),
             eos_token=EOS,
-            seed=recipe.seed,
-            local_working_dir=str(out / "work" / f"{source.name}-tmp"),
+            seed=seed,
+            local_working_dir=str(out / "work" / f"{source}-tmp"),
         )
         n_files = len(list(in_dir.glob("*.jsonl.gz")))
-        heldout = HeldOutSplit(recipe.curate.heldout_fraction, exclusion_writer=JsonlWriter(str(out / HELDOUT / source.name)))
+        heldout = HeldOutSplit(heldout_fraction, exclusion_writer=JsonlWriter(str(out / HELDOUT / source)))
         run_pipeline(
-            recipe.executor,
+            executor,
             [_reader(in_dir), heldout, tokenizer],
-            out / "logs" / f"{source.name}-tokenize",
-            _tasks_for(recipe.executor, n_files),
-            f"tokenize-{source.name}",
+            out / "logs" / f"{source}-tokenize",
+            _tasks_for(executor, n_files),
+            f"tokenize-{source}",
         )
-        merger = DocumentTokenizerMerger(
-            str(shards), str(out / DATA / source.name), save_filename=source.name, seed=recipe.seed, progress=False
-        )
-        run_pipeline(recipe.executor, [merger], out / "logs" / f"{source.name}-merge", 1, f"merge-{source.name}")
-        summary["sources"][source.name] = token_counts(out / DATA / source.name) | {
-            "heldout_docs": count_source_docs(out / HELDOUT / source.name)
-        }
+        merger = DocumentTokenizerMerger(str(shards), str(out / DATA / source), save_filename=source, seed=seed, progress=False)
+        run_pipeline(executor, [merger], out / "logs" / f"{source}-merge", 1, f"merge-{source}")
+        summary["sources"][source] = token_counts(out / DATA / source) | {"heldout_docs": count_source_docs(out / HELDOUT / source)}
     shutil.rmtree(out / "work", ignore_errors=True)
     return summary
 

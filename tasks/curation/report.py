@@ -41,7 +41,7 @@ def examples(folder: Path, limit: int, chars: int = 160) -> list[str]:
 def mixture_rows(mixtures: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         {
-            "stage": stage["name"],
+            "phase": phase["name"],
             "source": source,
             "weight": row["weight"],
             "tokens": row["tokens"],
@@ -49,14 +49,24 @@ def mixture_rows(mixtures: dict[str, Any]) -> list[dict[str, Any]]:
             "epochs": row["epochs"],
             "cumulative_epochs": row["cumulative_epochs"],
         }
-        for stage in mixtures["stages"]
-        for source, row in stage["sources"].items()
+        for phase in mixtures["phases"]
+        for source, row in phase["sources"].items()
     ]
 
 
-def curation_report(steps: dict[str, StepOutput], examples_per_filter: int) -> str:
-    ingest, filt, dedup, decont = (steps[k].summary for k in ("ingest", "filter", "dedup", "decont"))
-    tokens, mixtures = steps["tokenize"].summary, steps["mixtures"].summary
+def curation_report(
+    ingested: StepOutput,
+    filtered: StepOutput,
+    deduped: StepOutput,
+    decontaminated: StepOutput,
+    tokenized: StepOutput,
+    mixed: StepOutput,
+    steps: list[StepOutput],
+    examples_per_filter: int,
+) -> str:
+    """The report of one curate run; `steps` lists every step of the stage for the timing table."""
+    ingest, filt, dedup, decont = ingested.summary, filtered.summary, deduped.summary, decontaminated.summary
+    tokens, mixtures = tokenized.summary, mixed.summary
     out = ["# Curation report", ""]
 
     out += ["## Sources", ""]
@@ -76,9 +86,9 @@ def curation_report(steps: dict[str, StepOutput], examples_per_filter: int) -> s
     for name, s in filt["sources"].items():
         out.append(f"### {name}: {s['docs_in']:,} in, {s['docs_out']:,} out")
         rows = [[f, r["total"], ", ".join(f"{k}: {v:,}" for k, v in r["reasons"].items())] for f, r in s["removed"].items()]
-        out += ["", _table(["filter", "removed", "reasons"], rows), ""]
+        out += ["", _table(["quality filter", "removed", "reasons"], rows), ""]
         for f in s["removed"]:
-            for ex in examples(steps["filter"].path / "removed" / name / f, examples_per_filter):
+            for ex in examples(filtered.path / "removed" / name / f, examples_per_filter):
                 out.append(f"- {f}: {ex}")
         out.append("")
 
@@ -86,13 +96,13 @@ def curation_report(steps: dict[str, StepOutput], examples_per_filter: int) -> s
     rows = [[k, n, f"{dedup['rates'][k]:.2%}"] for k, n in dedup["removed"].items()]
     out += [f"{dedup['docs_in']:,} documents in.", "", _table(["stage", "removed", "rate"], rows), ""]
     for k in dedup["removed"]:
-        out += [f"- {k}: {ex}" for ex in examples(steps["dedup"].path / "removed" / k, examples_per_filter)]
+        out += [f"- {k}: {ex}" for ex in examples(deduped.path / "removed" / k, examples_per_filter)]
     out.append("")
 
     out += ["## Decontamination", ""]
     rows = [[task, v["items"], v["ngrams"], v["too_short"], decont["hits"].get(task, 0)] for task, v in decont["indexed_ngrams"].items()]
     out += [_table(["eval set", "items", "n-grams indexed", "items too short to index", "documents removed"], rows), ""]
-    out += [f"- {ex}" for ex in examples(steps["decont"].path / "removed", examples_per_filter)]
+    out += [f"- {ex}" for ex in examples(decontaminated.path / "removed", examples_per_filter)]
     out.append("")
 
     out += ["## Tokens per source", ""]
@@ -100,10 +110,10 @@ def curation_report(steps: dict[str, StepOutput], examples_per_filter: int) -> s
     out += ["", "## Mixtures", ""]
     out.append(
         _table(
-            ["stage", "source", "weight", "tokens", "available", "epochs", "epochs so far"],
+            ["phase", "source", "weight", "tokens", "available", "epochs", "epochs so far"],
             [
                 [
-                    r["stage"],
+                    r["phase"],
                     r["source"],
                     f"{r['weight']:.0%}",
                     r["tokens"],
@@ -121,7 +131,7 @@ def curation_report(steps: dict[str, StepOutput], examples_per_filter: int) -> s
     out.append(
         _table(
             ["step", "step id", "cached", "seconds"],
-            [[s.name, s.step_id, "yes" if s.cached else "no", f"{s.seconds:.1f}"] for s in steps.values()],
+            [[s.name, s.step_id, "yes" if s.cached else "no", f"{s.seconds:.1f}"] for s in steps],
         )
     )
     return "\n".join(out) + "\n"

@@ -13,12 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.recipe import Recipe
-from infra.steps import read_manifest
+from infra.steps import Step, StepOutput, finished
 from tasks.evaluation.results import main_metric
-
-CURATE_STEPS = ("corpus", "ingest", "filter", "dedup", "decont", "tokenizer", "tokenize", "mixtures")
-POST_LADDER = (("base", "sft", "eval_before"), ("SFT", "sft", "eval"), ("APO", "apo", "eval"), ("GRPO", "grpo", "eval"))
 
 
 @dataclass
@@ -29,7 +25,8 @@ class Card:
     eval_rows: list[dict[str, Any]] = field(default_factory=list)
 
 
-def build_report(run_dir: Path, recipe: Recipe) -> Card:
+def build_report(run_dir: Path, name: str, graph: list[Step]) -> Card:
+    """The card of the run `name` in RUN_DIR, whose steps (in DAG order) are `graph`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -37,14 +34,15 @@ def build_report(run_dir: Path, recipe: Recipe) -> Card:
     plots_dir = out / "plots"
     plots_dir.mkdir(parents=True, exist_ok=True)
     card = Card(path=out / "card.md", markdown="")
-    steps = _step_manifests(run_dir)
+    steps = {s.name: o for s in graph if (o := finished(run_dir, s.name))}
     evals = _eval_records(run_dir)
-    lines = [f"# Report card: {recipe.name}", "", f"Run dir `{run_dir}`, built {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", ""]
-    lines += _summary(steps, evals, recipe)
-    lines += _curation(steps)
-    lines += _pretraining(run_dir, recipe, plots_dir, card)
-    lines += _evaluations(evals, recipe, plots_dir, card)
-    lines += _post_training(steps, evals, plots_dir, card)
+    order = [s.checkpoints for s in graph if s.checkpoints] + [s.model for s in graph if s.model]
+    lines = [f"# Report card: {name}", "", f"Run dir `{run_dir}`, built {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", ""]
+    lines += _summary(graph, steps, evals)
+    lines += _curation([s for s in graph if s.stage == graph[0].stage], steps)
+    lines += _pretraining(run_dir, [s for s in graph if s.checkpoints], plots_dir, card)
+    lines += _evaluations(evals, order, plots_dir, card)
+    lines += _post_training([(s.model, steps[s.name]) for s in graph if s.model and s.name in steps], evals, plots_dir, card)
     lines += _wall_time(steps, plots_dir, card)
     card.markdown = "\n".join(lines) + "\n"
     tmp = card.path.with_name(".card.md.tmp")
@@ -53,30 +51,19 @@ def build_report(run_dir: Path, recipe: Recipe) -> Card:
     return card
 
 
-def _step_manifests(run_dir: Path) -> dict[str, dict]:
-    return {p.parent.name: m for p in sorted(run_dir.glob("*/manifest.json")) if (m := read_manifest(p.parent))}
-
-
 def _eval_records(run_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((run_dir / "evals" / "results").glob("*.json"))]
 
 
-def _training_order(model: dict, recipe: Recipe) -> tuple:
-    """Checkpoints by stage and step, then the finished models from base to GRPO."""
-    stages = [s.name for s in recipe.pretrain.stages]
-    if model["kind"] == "checkpoint":
-        return (0, stages.index(model["stage"]) if model["stage"] in stages else len(stages), model.get("step") or 0)
-    ladder = ["base", "sft", "apo", "grpo"]
-    return (1, ladder.index(model["label"]) if model["label"] in ladder else len(ladder), 0)
+def _training_order(model: dict, order: list[str]) -> tuple:
+    """Checkpoints by phase and step, then the finished models from base to the last post-training step."""
+    rank = order.index(model["stage"]) if model["stage"] in order else len(order)
+    return (model["kind"] != "checkpoint", rank, model.get("step") or 0)
 
 
-def _summary(steps: dict, evals: list, recipe: Recipe) -> list[str]:
-    total = sum(m.get("seconds", 0) for m in steps.values())
-    stages = (["curate"] if "mixtures" in steps else []) + [
-        f"pretrain_{s.name}" for s in recipe.pretrain.stages if f"pretrain_{s.name}" in steps
-    ]
-    stages += [n for n in ("sft", "preference", "apo", "grpo") if n in steps]
-    done = f"**{len(steps)} steps finished** ({', '.join(stages)})"
+def _summary(graph: list[Step], steps: dict[str, StepOutput], evals: list) -> list[str]:
+    total = sum(o.seconds for o in steps.values())
+    done = f"**{len(steps)} of {len(graph)} steps finished** ({', '.join(steps) or 'none yet'})"
     return [f"{done}, {total / 60:.1f} min of step time; {len(evals)} models evaluated.", ""]
 
 
@@ -87,37 +74,35 @@ def _count(value: Any) -> str:
     return f"{value:,}" if isinstance(value, int) and value else ""
 
 
-def _curation(steps: dict) -> list[str]:
+def _curation(curate: list[Step], steps: dict[str, StepOutput]) -> list[str]:
     rows = []
-    for name in CURATE_STEPS:
-        if name not in steps:
-            continue
-        s = steps[name]["summary"]
+    for name in [c.name for c in curate if c.name in steps]:
+        s = steps[name].summary
         sources = {k: v for k, v in s.get("sources", {}).items() if isinstance(v, dict)}
         docs_in = s.get("docs_in", sum(v.get("docs_in", 0) for v in sources.values()) or "")
         docs_out = s.get("docs_out", s.get("docs", sum(v.get("docs_out", v.get("docs", 0)) for v in sources.values()) or ""))
-        rows.append(f"| {name} | {_count(docs_in)} | {_count(docs_out)} | {steps[name].get('seconds', 0):.0f} |")
+        rows.append(f"| {name} | {_count(docs_in)} | {_count(docs_out)} | {steps[name].seconds:.0f} |")
     if not rows:
         return ["## Curation", "", "_not run yet_", ""]
     return ["## Curation", "", "| step | documents in | documents out | seconds |", "|---|---|---|---|", *rows, ""]
 
 
-def _metrics(run_dir: Path, stage: str) -> list[dict]:
-    for folder in (run_dir / f"pretrain_{stage}", run_dir / ".partial" / f"pretrain_{stage}"):
+def _metrics(run_dir: Path, step: str) -> list[dict]:
+    for folder in (run_dir / step, run_dir / ".partial" / step):
         path = folder / "metrics.jsonl"
         if path.is_file():
             return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return []
 
 
-def _pretraining(run_dir: Path, recipe: Recipe, plots_dir: Path, card: Card) -> list[str]:
+def _pretraining(run_dir: Path, phases: list[Step], plots_dir: Path, card: Card) -> list[str]:
     import matplotlib.pyplot as plt
 
-    per_stage = {s.name: _metrics(run_dir, s.name) for s in recipe.pretrain.stages}
+    per_stage = {s.checkpoints: _metrics(run_dir, s.name) for s in phases}
     if not any(per_stage.values()):
         return ["## Pretraining", "", "_no training metrics yet_", ""]
     fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(12, 4))
-    rows = ["| stage | steps logged | tokens (end) | last loss | tokens/s | MFU |", "|---|---|---|---|---|---|"]
+    rows = ["| phase | steps logged | tokens (end) | last loss | tokens/s | MFU |", "|---|---|---|---|---|---|"]
     for name, metrics in per_stage.items():
         if not metrics:
             continue
@@ -127,17 +112,17 @@ def _pretraining(run_dir: Path, recipe: Recipe, plots_dir: Path, card: Card) -> 
         mfu = sorted(m["mfu"] for m in metrics)[len(metrics) // 2]
         speed_ax.bar(name, speed)
         rows.append(f"| {name} | {len(metrics)} | {tokens[-1]:,} | {metrics[-1]['loss']:.3f} | {speed:,.0f} | {mfu:.1%} |")
-    loss_ax.set(xlabel="tokens", ylabel="training loss", title="Loss per stage")
+    loss_ax.set(xlabel="tokens", ylabel="training loss", title="Loss per phase")
     loss_ax.legend()
-    speed_ax.set(ylabel="tokens/s (median)", title="Throughput per stage")
+    speed_ax.set(ylabel="tokens/s (median)", title="Throughput per phase")
     path = _save(fig, plots_dir / "pretrain.png", card)
     return ["## Pretraining", "", f"![loss and throughput]({path.relative_to(card.path.parent)})", "", *rows, ""]
 
 
-def _evaluations(evals: list, recipe: Recipe, plots_dir: Path, card: Card) -> list[str]:
+def _evaluations(evals: list, order: list[str], plots_dir: Path, card: Card) -> list[str]:
     import matplotlib.pyplot as plt
 
-    for record in sorted(evals, key=lambda r: _training_order(r["model"], recipe)):
+    for record in sorted(evals, key=lambda r: _training_order(r["model"], order)):
         model = record["model"]
         for task, entry in sorted(record["tasks"].items()):
             main = main_metric(entry["metrics"])
@@ -178,37 +163,47 @@ def _evaluations(evals: list, recipe: Recipe, plots_dir: Path, card: Card) -> li
     ]
 
 
-def _post_training(steps: dict, evals: list, plots_dir: Path, card: Card) -> list[str]:
+def ladder(models: list[tuple[str, StepOutput]]) -> list[tuple[str, dict]]:
+    """(label, held-out eval) from the base model up: the first trained step also scored its starting point."""
+    rungs = []
+    for label, out in models:
+        if not rungs and "eval_before" in out.summary:
+            rungs.append(("base", out.summary["eval_before"]))
+        if "eval" in out.summary:
+            rungs.append((label, out.summary["eval"]))
+    return rungs
+
+
+def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir: Path, card: Card) -> list[str]:
     import matplotlib.pyplot as plt
 
-    ladder = [(name, steps[step]["summary"][key]) for name, step, key in POST_LADDER if step in steps and key in steps[step]["summary"]]
-    if not ladder:
+    rungs = ladder(models)
+    if not rungs:
         return ["## Post-training", "", "_not run yet_", ""]
     gen = {}
     for record in evals:
-        label = {"base": "base", "sft": "SFT", "apo": "APO", "grpo": "GRPO"}.get(record["model"]["label"])
         scores = [e["metrics"]["exact_match/answer"] for t, e in record["tasks"].items() if "exact_match/answer" in e["metrics"]]
-        if label and scores:
-            gen[label] = sum(scores) / len(scores)
+        if record["model"]["kind"] == "model" and scores:
+            gen[record["model"]["label"]] = sum(scores) / len(scores)
     fig, (acc_ax, len_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
-    names = [n for n, _ in ladder]
-    acc_ax.bar(names, [e["accuracy"] for _, e in ladder], label="held-out prompts")
+    names = [n for n, _ in rungs]
+    acc_ax.bar(names, [e["accuracy"] for _, e in rungs], label="held-out prompts")
     if gen:
         acc_ax.plot([n for n in names if n in gen], [gen[n] for n in names if n in gen], "ko-", label="lm-eval math (exact match)")
     acc_ax.set(title="Accuracy", ylim=(0, 1))
     acc_ax.legend(fontsize=8)
-    len_ax.bar(names, [e["mean_answer_tokens"] for _, e in ladder])
+    len_ax.bar(names, [e["mean_answer_tokens"] for _, e in rungs])
     len_ax.set(title="Mean answer length (tokens)")
     path = _save(fig, plots_dir / "postrain.png", card)
     rows = ["| model | held-out accuracy | lm-eval math | mean answer tokens |", "|---|---|---|---|"]
-    rows += [f"| {n} | {e['accuracy']:.1%} | {f'{gen[n]:.1%}' if n in gen else ''} | {e['mean_answer_tokens']:.1f} |" for n, e in ladder]
+    rows += [f"| {n} | {e['accuracy']:.1%} | {f'{gen[n]:.1%}' if n in gen else ''} | {e['mean_answer_tokens']:.1f} |" for n, e in rungs]
     return ["## Post-training ladder", "", f"![ladder]({path.relative_to(card.path.parent)})", "", *rows, ""]
 
 
-def _wall_time(steps: dict, plots_dir: Path, card: Card) -> list[str]:
+def _wall_time(steps: dict[str, StepOutput], plots_dir: Path, card: Card) -> list[str]:
     import matplotlib.pyplot as plt
 
-    timed = [(name, m.get("seconds", 0.0)) for name, m in steps.items()]
+    timed = [(name, o.seconds) for name, o in steps.items()]
     if not timed:
         return []
     fig, ax = plt.subplots(figsize=(8, 0.3 * len(timed) + 1))

@@ -24,12 +24,20 @@ from pathlib import Path
 from typing import Any
 
 from infra.locks import take_lock
-from infra.recipe import Recipe, S3Cfg
+from infra.recipe import EvalCfg, S3Cfg
+from infra.steps import MANIFEST, Step, identity, step_id
 from infra.storage import file_digest, filesystem, with_retries
 from model.checkpoint import MARKER, is_complete
 
-POST_STEPS = ("sft", "apo", "grpo")
 MAIN_METRIC = ("acc", "exact_match/answer", "bits_per_byte")  # the number a task is summed up by, in this order
+
+
+def eval_key(cfg: EvalCfg) -> str:
+    """What a task's score depends on besides the model: the evaluation config's identity (item limit,
+    context, backend...), less the task lists (each task's result is kept on its own) and the
+    operational fields (threads, niceness, batch size, polling), which change no score."""
+    config = {k: v for k, v in identity(cfg).items() if k not in ("checkpoint_tasks", "model_tasks")}
+    return step_id("eval", config, {})
 
 
 def main_metric(metrics: dict[str, float]) -> tuple[str, float] | None:
@@ -43,9 +51,9 @@ class ModelRef:
 
     path: str  # local folder or remote URL of the HF files
     fingerprint: str
-    label: str  # "stage1/step00000200", "base", "sft", ...
+    label: str  # "phase1/step00000200", "base", "sft", ...
     kind: str  # "checkpoint" (pretraining) or "model" (finished: also gets the chat tasks)
-    stage: str
+    stage: str  # the pretraining phase of a checkpoint, the label of a model
     step: int | None = None
     tokens: int | None = None
 
@@ -71,12 +79,14 @@ def local_fingerprint(folder: Path) -> str:
     return _fp_cache[key]
 
 
-def models_in_run(run_dir: Path, recipe: Recipe) -> list[ModelRef]:
-    """Every complete checkpoint and finished model under RUN_DIR, in training order."""
+def models_in_run(run_dir: Path, steps: list[Step]) -> list[ModelRef]:
+    """Every complete checkpoint and finished model the run's steps hold, in training order
+    (`Step.checkpoints` and `Step.model` say which steps hold which)."""
     run_dir, models = Path(run_dir), []
-    for stage in recipe.pretrain.stages:
-        step_name = f"pretrain_{stage.name}"
-        for root in (run_dir / step_name / "checkpoints", run_dir / ".partial" / step_name / "checkpoints"):
+    for step in steps:
+        if step.checkpoints is None:
+            continue
+        for root in (run_dir / step.name / "checkpoints", run_dir / ".partial" / step.name / "checkpoints"):
             for folder in sorted(root.glob("step*")):
                 if folder.is_dir() and is_complete(folder) and (folder / "hf").is_dir():
                     marker = json.loads((folder / MARKER).read_text())
@@ -84,55 +94,45 @@ def models_in_run(run_dir: Path, recipe: Recipe) -> list[ModelRef]:
                         ModelRef(
                             path=str(folder / "hf"),
                             fingerprint=local_fingerprint(folder / "hf"),
-                            label=f"{stage.name}/{folder.name}",
+                            label=f"{step.checkpoints}/{folder.name}",
                             kind="checkpoint",
-                            stage=stage.name,
+                            stage=step.checkpoints,
                             step=marker.get("step"),
                             tokens=marker.get("tokens"),
                         )
                     )
-    finals = [(f"pretrain_{recipe.pretrain.stages[-1].name}", "base")] + [(name, name) for name in POST_STEPS]
-    for step_name, label in finals:
-        folder = run_dir / step_name / "final"
-        if (run_dir / step_name / "manifest.json").is_file() and folder.is_dir():
-            models.append(ModelRef(path=str(folder), fingerprint=local_fingerprint(folder), label=label, kind="model", stage=label))
+    for step in steps:
+        folder = run_dir / step.name / "final"
+        if step.model and (run_dir / step.name / MANIFEST).is_file() and folder.is_dir():
+            models.append(ModelRef(str(folder), local_fingerprint(folder), step.model, "model", step.model))
     unique = {}
     for m in models:  # a checkpoint seen mid-rename (partial and committed) counts once
         unique.setdefault(m.fingerprint, m)
     return list(unique.values())
 
 
-def models_in_prefix(prefix: str, s3: S3Cfg | None) -> list[ModelRef]:
+def models_in_prefix(prefix: str, s3: S3Cfg | None, steps: list[Step]) -> list[ModelRef]:
     """Every checkpoint and finished model mirrored under an s3:// (or any fsspec) prefix."""
     fs, root = filesystem(prefix, s3)
     found = []
-    markers = with_retries(f"list {prefix}", lambda: fs.glob(f"{root}/checkpoints/*/step*/{MARKER}"))
-    for marker_path in sorted(markers):
-        folder = marker_path.rsplit("/", 1)[0]
-        with fs.open(marker_path, "rb") as f:
-            marker = json.loads(f.read())
-        run_stage = folder.split("/")[-2].removeprefix("pretrain_").rsplit("-", 1)[0]
-        found.append((f"{folder}/hf", f"{run_stage}/{folder.rsplit('/', 1)[-1]}", "checkpoint", run_stage, marker))
-    for name in ("pretrain_*",) + POST_STEPS:
-        for manifest in sorted(fs.glob(f"{root}/{name}/manifest.json")):
-            step = manifest.split("/")[-2]
-            label = step if step in POST_STEPS else step.removeprefix("pretrain_")
-            found.append((f"{manifest.rsplit('/', 1)[0]}/final", label, "model", label, {}))
+    for step in steps:
+        if step.checkpoints is None:
+            continue
+        markers = with_retries(f"list {prefix}", lambda step=step: fs.glob(f"{root}/checkpoints/{step.name}-*/step*/{MARKER}"))
+        for marker_path in sorted(markers):
+            folder = marker_path.rsplit("/", 1)[0]
+            with fs.open(marker_path, "rb") as f:
+                marker = json.loads(f.read())
+            found.append((f"{folder}/hf", f"{step.checkpoints}/{folder.rsplit('/', 1)[-1]}", "checkpoint", step.checkpoints, marker))
+    for step in steps:
+        if step.model and with_retries(f"list {prefix}", lambda step=step: fs.exists(f"{root}/{step.name}/{MANIFEST}")):
+            found.append((f"{root}/{step.name}/final", step.model, "model", step.model, {}))
     models = []
     for path, label, kind, stage, marker in found:
         fingerprint = remote_fingerprint(fs, path)
         if fingerprint:
-            models.append(
-                ModelRef(
-                    f"s3://{path}" if prefix.startswith("s3://") else path,
-                    fingerprint,
-                    label,
-                    kind,
-                    stage,
-                    marker.get("step"),
-                    marker.get("tokens"),
-                )
-            )
+            url = f"s3://{path}" if prefix.startswith("s3://") else path
+            models.append(ModelRef(url, fingerprint, label, kind, stage, marker.get("step"), marker.get("tokens")))
     return models
 
 
@@ -169,14 +169,14 @@ class ResultStore:
         except FileNotFoundError:
             return None
 
-    def pending(self, model: ModelRef, tasks: list[str], limit: int | None) -> list[str]:
-        """Tasks this model has no result for at this item limit."""
+    def pending(self, model: ModelRef, tasks: list[str], key: str) -> list[str]:
+        """Tasks this model has no result for under this evaluation identity (`eval_key`)."""
         done = (self.get(model.fingerprint) or {}).get("tasks", {})
-        return [t for t in tasks if t not in done or done[t].get("limit") != limit]
+        return [t for t in tasks if t not in done or done[t].get("key") != key]
 
-    def put(self, model: ModelRef, metrics: dict[str, dict[str, float]], limit: int | None, seconds: float) -> dict[str, Any]:
+    def put(self, model: ModelRef, metrics: dict[str, dict[str, float]], key: str, limit: int | None, seconds: float) -> dict[str, Any]:
         record = self.get(model.fingerprint) or {"fingerprint": model.fingerprint, "model": model.info(), "tasks": {}}
-        record["tasks"].update({task: {"limit": limit, "metrics": m} for task, m in metrics.items()})
+        record["tasks"].update({task: {"key": key, "limit": limit, "metrics": m} for task, m in metrics.items()})
         record["seconds"] = round(record.get("seconds", 0.0) + seconds, 2)
         record["evaluated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         tmp = f"{self.root}/.{model.fingerprint}.json.tmp"

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from infra.recipe import EvalCfg, S3Cfg
 from infra.storage import Mirror, download_folder
-from model.checkpoint import EVALUATED
+from model.checkpoint import mark_evaluated
 from tasks.evaluation.harness import EvalFailed, evaluate_in_child, tasks_without_data
-from tasks.evaluation.results import ModelRef, ResultStore, main_metric
+from tasks.evaluation.results import ModelRef, ResultStore, eval_key, main_metric
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Evaluator:
         s3: S3Cfg | None = None,
     ):
         self.cfg, self.store, self.include, self.work_dir, self.log = cfg, store, include, Path(work_dir), log
-        self.mirror, self.s3 = mirror, s3
+        self.mirror, self.s3, self.key = mirror, s3, eval_key(cfg)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.no_data = tasks_without_data(include, cfg.checkpoint_tasks + cfg.model_tasks)
         for task, reason in self.no_data.items():
@@ -60,7 +60,7 @@ class Evaluator:
         """(pending tasks, chat template?) for this model; tasks without data are left out (and were warned about)."""
         groups = [(self.cfg.checkpoint_tasks, False)] + ([(self.cfg.model_tasks, True)] if model.kind == "model" else [])
         groups = [([t for t in tasks if t not in self.no_data], chat) for tasks, chat in groups]
-        return [(pending, chat) for tasks, chat in groups if (pending := self.store.pending(model, tasks, self.cfg.limit))]
+        return [(pending, chat) for tasks, chat in groups if (pending := self.store.pending(model, tasks, self.key))]
 
     def evaluate(self, model: ModelRef, summary: EvalSummary) -> bool:
         """Score `model` on its pending tasks; False when it failed (or moved away mid-evaluation)."""
@@ -79,7 +79,7 @@ class Evaluator:
                 for tasks, chat in groups:
                     out = self.work_dir / f"{model.fingerprint}-{'chat' if chat else 'base'}.json"
                     metrics = evaluate_in_child(Path(folder), tasks, self.include, self.cfg, chat, out, self.log)
-                    record = self.store.put(model, metrics, self.cfg.limit, time.time() - started)
+                    record = self.store.put(model, metrics, self.key, self.cfg.limit, time.time() - started)
             except (EvalFailed, OSError) as err:
                 if "://" not in model.path and not Path(model.path).exists():
                     # its step was committed (renamed) or the checkpoint pruned: the next scan finds it where it is now
@@ -136,9 +136,7 @@ class Evaluator:
     def _mark_evaluated(model: ModelRef) -> None:
         """Tell the trainer's checkpoint store (model/checkpoint.py) it may prune this checkpoint now."""
         if model.kind == "checkpoint" and "://" not in model.path:
-            folder = Path(model.path).parent
-            (folder.parent / EVALUATED).mkdir(exist_ok=True)
-            (folder.parent / EVALUATED / folder.name).touch()
+            mark_evaluated(Path(model.path).parent)
 
 
 def headline(record: dict) -> str:

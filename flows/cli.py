@@ -1,4 +1,5 @@
-"""The `smolflow` command line: validate a recipe, run the pipeline or one stage as Prefect flows."""
+"""The `smolflow` command line: validate a recipe, run the pipeline or one stage as Prefect flows, say
+what a run would do (`--dry-run`), score models, rebuild the report card, manage the local server."""
 
 from __future__ import annotations
 
@@ -33,31 +34,46 @@ def _fail(err: SmolflowError) -> None:
     raise typer.Exit(2)
 
 
-@app.command()
-def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
-    """Check a recipe without running anything: unknown keys, wrong types, impossible values."""
+DryRunOpt = Annotated[
+    bool, typer.Option("--dry-run", help="Say what would run and why (cached / run / rerun + changed keys); run nothing.")
+]
+
+
+def _resolve(recipe: Path, overrides: list[str]):
+    """The recipe and its step graph; every check a run would do before starting anything."""
+    from flows.graph import build_graph
     from infra.recipe import load_recipe
 
+    r = load_recipe(recipe, overrides)
+    return r, build_graph(r)
+
+
+@app.command()
+def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
+    """Check a recipe without running anything: unknown keys, wrong types, impossible values, filter parameters."""
     try:
-        r = load_recipe(recipe, set_ or [])
+        r, graph = _resolve(recipe, set_ or [])
     except SmolflowError as err:
         _fail(err)
-    typer.echo(f"{recipe}: valid recipe {r.name!r}")
+    typer.echo(f"{recipe}: valid recipe {r.name!r}, {len(graph.steps)} steps")
     typer.echo(f"  sources: {', '.join(f'{s.name} ({s.domain}, {s.format})' for s in r.sources)}")
-    for stage in r.pretrain.stages:
-        mix = ", ".join(f"{k} {v:.0%}" for k, v in stage.mixture.items())
-        typer.echo(f"  stage {stage.name}: {stage.tokens:,} tokens, seq {stage.seq_len or r.pretrain.seq_len}: {mix}")
+    for phase in r.pretrain.phases:
+        mix = ", ".join(f"{k} {v:.0%}" for k, v in phase.mixture.items())
+        typer.echo(f"  phase {phase.name}: {phase.tokens:,} tokens, seq {r.pretrain.phase_seq_len(phase)}: {mix}")
 
 
 @app.command("plan")
 def plan_cmd(recipe: RecipeArg, set_: SetOpt = None) -> None:
-    """Per pretraining stage: tokens, steps, global batch, FLOPs, memory per GPU (ZeRO 0-3), GPUs needed."""
-    from infra.plan import GiB, plan
+    """Per pretraining phase: tokens, steps, global batch, FLOPs, memory per GPU (ZeRO 0-3), GPUs needed."""
     from infra.recipe import load_recipe
+    from model.plan import GiB, plan
 
     try:
         r = load_recipe(recipe, set_ or [])
-        result = plan(r)
+        vocab = r.model.vocab_size or (r.curate.tokenizer.train.vocab_size if r.curate.tokenizer.train else None)
+        if vocab is None:
+            raise SmolflowError("model.vocab_size is needed to plan a recipe whose tokenizer is given by path")
+        result = plan(r.model, r.pretrain, vocab)
     except (SmolflowError, ValueError) as err:
         _fail(SmolflowError(str(err)))
     p = r.pretrain
@@ -65,11 +81,10 @@ def plan_cmd(recipe: RecipeArg, set_: SetOpt = None) -> None:
         f"{r.name}: {result.params / 1e9:.3f}B parameters, {result.total_tokens:,} tokens, layout "
         f"DP {p.parallel.dp} x TP {p.parallel.tp} x PP {p.parallel.pp} = {result.gpus} {p.hardware.name}"
     )
-    for s in result.stages:
+    for s in result.phases:
         typer.echo(
-            f"\n{s.name}: {s.tokens:,} tokens, seq {s.seq_len}, micro-batch {s.micro_batch}, global batch "
-            f"DP {p.parallel.dp} x {s.micro_batch} x {p.grad_accum} x {s.seq_len} = {s.global_batch_tokens:,} tokens, "
-            f"{s.steps:,} steps"
+            f"\n{s.name}: {s.tokens:,} tokens, seq {s.seq_len}, micro-batch {s.micro_batch} per GPU, global batch "
+            f"{s.global_batch_tokens // s.seq_len} x {s.seq_len} = {s.global_batch_tokens:,} tokens, {s.steps:,} steps"
         )
         typer.echo(f"  compute: 6ND = {s.flops_6nd:.3e} FLOPs ({s.flops:.3e} with attention)")
         for z, mem in s.memory.items():
@@ -89,11 +104,44 @@ def plan_cmd(recipe: RecipeArg, set_: SetOpt = None) -> None:
         )
 
 
-def _run_flow(flow_fn, recipe: Path, run_dir: str | None, overrides: list[str]) -> None:
-    from infra.recipe import load_recipe
+def _explain(recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str], always: bool) -> None:
+    """Print what running `stages` would do in the run dir: recipe changes against the frozen recipe, then
+    each step as cached / run / rerun / resume / restore with the config keys that changed; only when the
+    recipe changed, unless `always`."""
+    from flows.graph import build_graph
+    from infra.recipe import operational_key
+    from infra.steps import PREVIOUS, Run, kept_versions, statuses
 
+    run = Run.open(str(recipe), run_dir, overrides, freeze=False)
+    if not always and not run.changes:
+        return
+    graph = build_graph(run.recipe)
+    typer.echo(f"{run.run_dir}: {recipe}" + (f" with {' '.join(overrides)}" if overrides else ""))
+    if run.changes:
+        typer.echo(f"recipe changes against the frozen {run.run_dir / 'recipe.json'}:")
+        for key, old, new in run.changes:
+            note = "   (operational: reruns nothing)" if operational_key(key) else ""
+            typer.echo(f"  {key}: {old!r} -> {new!r}{note}")
+    chosen = [s for s in statuses(run.run_dir, graph.steps) if s.step.stage in stages]
+    typer.echo("steps:")
+    for status in chosen:
+        why = f"  ({status.reason})" if status.reason else ""
+        typer.echo(f"  {status.state:8} {status.step.name}{why}")
+        for key, old, new in status.changes:
+            typer.echo(f"             {key}: {old!r} -> {new!r}")
+    runs = sum(s.state != "cached" for s in chosen)
+    typer.echo(f"{runs} of {len(chosen)} steps would run; {len(chosen) - runs} cached.")
+    kept = kept_versions(run.run_dir)
+    if kept:
+        typer.echo(f"versions kept in {run.run_dir / PREVIOUS} (moved aside, never deleted): {', '.join(p.name for p in kept)}")
+
+
+def _run_flow(flow_fn, recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str], dry_run: bool) -> None:
     try:
-        load_recipe(recipe, overrides)  # fail fast, before a Prefect server is started
+        _resolve(recipe, overrides)  # fail fast, before a Prefect server is started
+        _explain(recipe, run_dir, overrides, stages, always=dry_run)
+        if dry_run:
+            return
         result = flow_fn(str(recipe), run_dir, overrides)
     except SmolflowError as err:
         _fail(err)
@@ -109,17 +157,22 @@ def run(
     recipe: RecipeArg,
     run_dir: RunDirOpt = None,
     set_: SetOpt = None,
-    until: Annotated[str | None, typer.Option(help="Stop after this stage, e.g. pretrain.")] = None,
+    until: Annotated[str | None, typer.Option(help="Stop after this stage, e.g. pretrain (the run is still evaluated).")] = None,
+    dry_run: DryRunOpt = False,
 ) -> None:
-    """Run the full pipeline as one Prefect flow run; finished steps of the run dir are skipped."""
+    """Run the full pipeline as one Prefect flow run; finished steps of the run dir are skipped.
+
+    On an existing run dir whose frozen recipe differs, the changes and what they rerun are printed first."""
     from functools import partial
 
-    from flows.pipeline import STAGES, full_pipeline
+    from flows.graph import STAGES
+    from flows.pipeline import full_pipeline
 
     if until is not None and until not in STAGES:
         typer.secho(f"error: unknown stage {until!r}; stages: {', '.join(STAGES)}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
-    _run_flow(partial(full_pipeline, until=until), recipe, run_dir, set_ or [])
+    stages = list(STAGES[: STAGES.index(until) + 1] if until else STAGES)
+    _run_flow(partial(full_pipeline, until=until), recipe, run_dir, set_ or [], stages, dry_run)
 
 
 @app.command()
@@ -128,14 +181,16 @@ def stage(
     recipe: RecipeArg,
     run_dir: RunDirOpt = None,
     set_: SetOpt = None,
+    dry_run: DryRunOpt = False,
 ) -> None:
-    """Run one stage's flow, reading its inputs from the run dir of earlier stages."""
-    from flows.pipeline import STAGES
+    """Run one stage's flow, reading its inputs from the run dir of earlier stages (which must be current)."""
+    from flows.graph import STAGES
+    from flows.pipeline import STAGE_FLOWS
 
     if name not in STAGES:
         typer.secho(f"error: unknown stage {name!r}; stages: {', '.join(STAGES)}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
-    _run_flow(STAGES[name], recipe, run_dir, set_ or [])
+    _run_flow(STAGE_FLOWS[name], recipe, run_dir, set_ or [], [name], dry_run)
 
 
 @app.command()
@@ -144,13 +199,15 @@ def report(
     recipe: Annotated[Path | None, typer.Option(help="Recipe of the run [default: the run dir's recipe.json].")] = None,
 ) -> None:
     """Rebuild the run's report card (RUN_DIR/reports/card.md and its PNG plots) from what the run dir holds."""
-    from tasks.evaluate import source_recipe
+    from flows.graph import build_graph
+    from flows.pipeline import source_recipe
     from tasks.evaluation.report import build_report
 
     if not run_dir.is_dir():
         _fail(SmolflowError(f"{run_dir} is not a run dir"))
     try:
-        card = build_report(run_dir, source_recipe(str(run_dir), str(recipe) if recipe else None))
+        r = source_recipe(str(run_dir), str(recipe) if recipe else None)
+        card = build_report(run_dir, r.name, build_graph(r).steps)
     except SmolflowError as err:
         _fail(err)
     typer.echo(f"{card.path} ({len(card.plots)} plots, {len(card.eval_rows)} eval results)")
@@ -162,7 +219,7 @@ def eval_cmd(
     recipe: Annotated[Path | None, typer.Option(help="Recipe of the run [default: the source's recipe.json].")] = None,
 ) -> None:
     """Evaluate every checkpoint and model under SOURCE that has no results yet (what the scheduled-eval flow runs)."""
-    from flows.evaluate import scheduled_eval_flow
+    from flows.pipeline import scheduled_eval_flow
 
     try:
         result = scheduled_eval_flow(source, str(recipe) if recipe else None)
@@ -181,7 +238,7 @@ def server_start(
     worker: Annotated[bool, typer.Option(help="Also start a worker on the smolflow pool.")] = True,
 ) -> None:
     """Start the server (if not running), create the work pool, queues and automation, start a worker."""
-    from infra.server import Server
+    from flows.server import Server
 
     server = Server.here(port)
     try:
@@ -194,7 +251,7 @@ def server_start(
 @server_app.command("stop")
 def server_stop(port: Annotated[int | None, typer.Option(help="Port [default: $SMOLFLOW_PORT or 4200].")] = None) -> None:
     """Stop the worker, then the server (by the PIDs recorded at start)."""
-    from infra.server import Server
+    from flows.server import Server
 
     Server.here(port).stop(say=typer.echo)
 
@@ -202,7 +259,7 @@ def server_stop(port: Annotated[int | None, typer.Option(help="Port [default: $S
 @server_app.command("status")
 def server_status(port: Annotated[int | None, typer.Option(help="Port [default: $SMOLFLOW_PORT or 4200].")] = None) -> None:
     """Whether the server and worker run, and where the UI is."""
-    from infra.server import Server
+    from flows.server import Server
 
     for key, value in Server.here(port).status().items():
         typer.echo(f"{key}: {value}")

@@ -1,4 +1,4 @@
-"""The planner: tokens, steps, FLOPs, memory per GPU and GPUs needed for each pretraining stage.
+"""The planner: tokens, steps, FLOPs, memory per GPU and GPUs needed for each pretraining phase.
 
 Compute follows the playbook's convention (6·N·D for training, attention added separately);
 memory per GPU counts bf16 weights and gradients, fp32 master weights and Adam moments (16 bytes
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from infra.recipe import Recipe
+from infra.recipe import ModelCfg, PretrainCfg
 from model.network import count_params, flops_per_token, model_config
 
 GiB = 2**30
@@ -47,7 +47,7 @@ def activation_bytes(seq: int, micro_batch: int, hidden: int, layers: int, tp: i
 
 
 @dataclass
-class StagePlan:
+class PhasePlan:
     name: str
     tokens: int
     seq_len: int
@@ -66,39 +66,22 @@ class Plan:
     gpus: int  # of the recipe's layout: DP x TP x PP
     total_tokens: int
     gpus_needed: float | None  # for the whole run in hardware.target_days at hardware.assumed_mfu
-    stages: list[StagePlan]
+    phases: list[PhasePlan]
 
 
-def planned_vocab(recipe: Recipe) -> int:
-    if recipe.model.vocab_size:
-        return recipe.model.vocab_size
-    if recipe.curate.tokenizer.train:
-        return recipe.curate.tokenizer.train.vocab_size
-    raise ValueError("model.vocab_size is needed to plan a recipe whose tokenizer is given by path")
-
-
-def plan(recipe: Recipe) -> Plan:
-    p, m = recipe.pretrain, recipe.model
+def plan(m: ModelCfg, p: PretrainCfg, vocab_size: int) -> Plan:
     par, hw = p.parallel, p.hardware
-    config = model_config(m, planned_vocab(recipe), p.seq_len)
+    config = model_config(m, vocab_size, p.seq_len)
     params = count_params(config)
     gpus = par.dp * par.tp * par.pp
-    total_tokens = sum(s.tokens for s in p.stages)
+    total_tokens = sum(s.tokens for s in p.phases)
     plans = []
-    for stage in p.stages:
-        seq, mb = p.stage_seq_len(stage), p.stage_micro_batch(stage)
-        gbt = par.dp * mb * p.grad_accum * seq
+    for phase in p.phases:
+        seq, mb, batch = p.phase_seq_len(phase), p.phase_micro_batch(phase), p.phase_batch(phase)
+        gbt = batch * seq
         problems = []
-        if p.global_batch_tokens and p.global_batch_tokens != gbt:
-            problems.append(
-                f"global batch of {p.global_batch_tokens:,} tokens is not DP x micro-batch x grad-accum x seq "
-                f"= {gbt:,}"
-                + (
-                    ""
-                    if p.global_batch_tokens % (par.dp * mb * seq)
-                    else f" (use grad_accum {p.global_batch_tokens // (par.dp * mb * seq)})"
-                )
-            )
+        if batch % (par.dp * mb):
+            problems.append(f"batch_size {batch} is not a multiple of DP {par.dp} x micro-batch {mb}")
         if m.num_attention_heads % par.tp or m.num_key_value_heads % par.tp:
             problems.append(f"TP {par.tp} does not divide the attention heads ({m.num_attention_heads}/{m.num_key_value_heads})")
         if m.num_hidden_layers % par.pp:
@@ -111,15 +94,15 @@ def plan(recipe: Recipe) -> Plan:
                 f"over the {hw.memory_gb:g} GiB of a {hw.name}"
             )
         plans.append(
-            StagePlan(
-                stage.name,
-                stage.tokens,
+            PhasePlan(
+                phase.name,
+                phase.tokens,
                 seq,
                 mb,
                 gbt,
-                math.ceil(stage.tokens / gbt),
-                6 * params * stage.tokens,
-                flops_per_token(config, seq) * stage.tokens,
+                math.ceil(phase.tokens / gbt),
+                6 * params * phase.tokens,
+                flops_per_token(config, seq) * phase.tokens,
                 memory,
                 problems,
             )

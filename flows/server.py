@@ -124,7 +124,7 @@ class Server:
 
     def _configure(self) -> None:
         """Work pool, queues with their limits, and the crash automation (each created once)."""
-        code = f"from infra.server import configure; configure({POOL!r}, {QUEUES!r})"
+        code = f"from flows.server import configure; configure({POOL!r}, {QUEUES!r})"
         proc = subprocess.run([sys.executable, "-c", code], env=self.env(), cwd=self.root, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SmolflowError(f"configuring the work pool and automation failed:\n{proc.stderr[-2000:]}")

@@ -1,0 +1,107 @@
+"""The pipeline as data: every step of a recipe, its stage, config, upstream steps and output folder.
+
+This is the one place a step's name, a stage's order or a step's output folder (`RUN/NAME`) is
+spelled. The flows run selections of it (a stage's steps), and the missing-upstream check, model
+discovery for evaluation, the report card, the dry run and the S3 mirror iterate it. A step's
+config is built here from the recipe and holds exactly what its function reads, so its identity
+(infra/steps.py) follows from the recipe with nothing written by hand.
+
+Adding a post-training step: a config class and a function in tasks/postrain.py, one `add(Step(...))`
+line below (with `model=` if it leaves a model to evaluate), a stage name in STAGES, and, if it
+needs its own recipe section, that section in infra/recipe.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infra.recipe import Recipe
+from infra.steps import Step
+from tasks import curate, postrain, pretrain
+from tasks.curation.filters import check_filters
+from tasks.evaluate import Models
+
+# Pipeline stages in DAG order: each is a Prefect flow (`smolflow stage NAME`) building its steps.
+STAGES = ("curate", "pretrain", "sft", "preference", "apo", "grpo", "evaluate")
+
+
+@dataclass(frozen=True)
+class Graph:
+    steps: list[Step]  # every step, upstream first
+    curation: dict[str, Step]  # the curation report's inputs by role (tasks/curation/report.py)
+    phases: list[Step]  # one per pretraining phase
+    ladder: list[Step]  # the models of the post-training ladder, base first
+    pairs: Step
+    models: Models  # where evaluation finds checkpoints and models
+
+    def stage(self, name: str) -> list[Step]:
+        return [s for s in self.steps if s.stage == name]
+
+
+def build_graph(recipe: Recipe) -> Graph:
+    """Every step of RECIPE; also checks what only stage code can (filter parameters against datatrove)."""
+    check_filters(recipe.curate.filters)
+    c, p, post, ex = recipe.curate, recipe.pretrain, recipe.postrain, recipe.executor
+    names = [s.name for s in recipe.sources]
+    steps: list[Step] = []
+
+    def add(step: Step) -> Step:
+        steps.append(step)
+        return step
+
+    embedded = {}
+    if any(s.format == "embedded" for s in recipe.sources):
+        config = curate.CorpusStepCfg(embedded=recipe.embedded, eval_sets=c.decontaminate.eval_sets, seed=recipe.seed, shards=ex.tasks)
+        embedded["embedded"] = add(Step("corpus", "curate", curate.build_corpus, config, watch=curate.corpus_files))
+    config = curate.IngestStepCfg(sources=recipe.sources, executor=ex, strict=c.strict, s3=recipe.storage.s3)
+    ingest = add(Step("ingest", "curate", curate.ingest, config, embedded, watch=curate.source_files))
+    config = curate.FilterStepCfg(filters={s.name: c.filters[s.domain] for s in recipe.sources}, executor=ex)
+    filtered = add(Step("filter", "curate", curate.filter_docs, config, {"docs": ingest}))
+    deduped = add(Step("dedup", "curate", curate.dedup, curate.DedupStepCfg(dedup=c.dedup, executor=ex), {"docs": filtered}))
+    config = curate.DecontaminateStepCfg(decontaminate=c.decontaminate, executor=ex)
+    decont = add(Step("decontaminate", "curate", curate.decontaminate, config, {"docs": deduped}, watch=_eval_sets))
+    config = curate.TokenizerStepCfg(tokenizer=c.tokenizer, sources=names)
+    docs = {} if c.tokenizer.path else {"docs": decont}
+    bpe = add(Step("tokenizer", "curate", curate.train_tokenizer, config, docs, watch=curate.tokenizer_file))
+    config = curate.TokenizeStepCfg(sources=names, seed=recipe.seed, heldout_fraction=c.heldout_fraction, executor=ex)
+    tokens = add(Step("tokenize", "curate", curate.tokenize, config, {"docs": decont, "bpe": bpe}))
+    config = curate.MixturesStepCfg(phases=pretrain.mixture_phases(p), max_epochs=p.max_epochs)
+    mixed = add(Step("mixtures", "curate", curate.mixtures, config, {"tokens": tokens}))
+
+    phases: list[Step] = []
+    train = pretrain.train_configs(recipe)
+    for i, cfg in enumerate(train):
+        deps = {"tokens": tokens, "bpe": bpe, "budget": mixed} | ({"previous": phases[-1]} if phases else {})
+        config = pretrain.PhaseStepCfg(train=cfg, launcher=p.launcher, storage=recipe.storage)
+        last = i == len(train) - 1
+        phases.append(
+            add(
+                Step(
+                    f"pretrain_{cfg.phase}",
+                    "pretrain",
+                    pretrain.train_phase,
+                    config,
+                    deps,
+                    checkpoints=cfg.phase,
+                    model="base" if last else None,
+                )
+            )
+        )
+
+    config = postrain.ChatDataStepCfg(data=post.data, eval_sets=c.decontaminate.eval_sets, seed=recipe.seed)
+    chats = add(Step("chat_data", "sft", postrain.chat_data, config, watch=postrain.eval_sets))
+    config = postrain.SFTStepCfg(sft=post.sft, heldout_eval=post.heldout_eval, seed=recipe.seed)
+    sft = add(Step("sft", "sft", postrain.sft, config, {"chats": chats, "base": phases[-1]}, model="sft"))
+    config = postrain.PreferenceStepCfg(preference=post.preference)
+    pairs = add(Step("preference", "preference", postrain.preference, config, {"chats": chats, "policy": sft}))
+    config = postrain.APOStepCfg(apo=post.apo, heldout_eval=post.heldout_eval, seed=recipe.seed)
+    apo = add(Step("apo", "apo", postrain.apo, config, {"chats": chats, "pairs": pairs, "policy": sft}, model="apo"))
+    config = postrain.GRPOStepCfg(grpo=post.grpo, heldout_eval=post.heldout_eval, seed=recipe.seed)
+    grpo = add(Step("grpo", "grpo", postrain.grpo, config, {"chats": chats, "policy": apo}, model="grpo"))
+
+    curation = {"ingested": ingest, "filtered": filtered, "deduped": deduped, "decontaminated": decont, "tokenized": tokens, "mixed": mixed}
+    return Graph(steps, curation, phases, [sft, apo, grpo], pairs, Models(steps, heldout=tokens))
+
+
+def _eval_sets(cfg: curate.DecontaminateStepCfg) -> dict[str, str]:
+    return {"eval_sets": curate.eval_set_fingerprint(cfg.decontaminate.eval_sets)}

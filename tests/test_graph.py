@@ -1,0 +1,164 @@
+"""The step graph of a recipe: which steps a recipe change reruns, the dry run, one direction of imports.
+
+The graph and its identities are the real ones (flows/graph.py over configs/micro.yaml); only each
+step's function is swapped for one that writes its config and its inputs' fingerprints, so which
+steps rebuild is decided exactly as in a real run, in a second instead of minutes.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.graph import STAGES, build_graph
+from infra.recipe import EvalCfg, parse_recipe
+from infra.steps import identity, run_step
+from tasks.evaluation.results import ModelRef, ResultStore, eval_key
+from tests.helpers import REPO, micro_recipe, write_recipe
+
+
+def build_all(run_dir: Path, **changes) -> list[str]:
+    """Run every step of the micro recipe's graph (with `changes`) with recording functions; returns what was built."""
+    graph = build_graph(parse_recipe(micro_recipe(**changes), "micro"))
+    built, outputs = [], {}
+
+    def record(cfg, inputs, out, name):
+        built.append(name)
+        (out / "out.json").write_text(json.dumps([identity(cfg), {k: v.fingerprint for k, v in sorted(inputs.items())}], sort_keys=True))
+        return {}
+
+    for step in graph.steps:
+        fake = dataclasses.replace(step, fn=lambda cfg, inputs, out, name=step.name: record(cfg, inputs, out, name))
+        outputs[step.name] = run_step(run_dir, fake, {role: outputs[d.name] for role, d in step.deps.items()})
+    return built
+
+
+@pytest.fixture(scope="module")
+def everything(tmp_path_factory) -> tuple[Path, list[str]]:
+    run_dir = tmp_path_factory.mktemp("graph")
+    return run_dir, build_all(run_dir)
+
+
+POST = ["sft", "preference", "apo", "grpo"]
+PRETRAIN = ["pretrain_phase1", "pretrain_phase2", "pretrain_phase3", "pretrain_long_context"]
+
+
+def test_the_graph_of_the_micro_recipe(everything):
+    _, built = everything
+    curate = ["corpus", "ingest", "filter", "dedup", "decontaminate", "tokenizer", "tokenize", "mixtures"]
+    assert built == curate + PRETRAIN + ["chat_data"] + POST
+
+
+def test_operational_values_rerun_nothing(everything):
+    run_dir, _ = everything
+    operational = {
+        "pretrain.launcher": {"kind": "torchrun", "nproc": 2, "threads_per_rank": 1},
+        "pretrain.micro_batch_size": 2,
+        "pretrain.checkpoint": {"every_steps": 7, "every_minutes": 1, "keep_last": 5},
+        "pretrain.log_every": 1,
+        "pretrain.tracking": "trackio",
+        "pretrain.hardware": {"name": "H100", "peak_tflops": 900},
+        "pretrain.parallel": {"dp": 8, "tp": 1, "pp": 1},
+        "executor.workers": 2,
+        "executor.kind": "ray",
+        "storage.s3": {"endpoint_url": "http://127.0.0.1:9"},
+        "curate.strict": True,
+        "curate.examples_per_filter": 9,
+        "postrain.sft.save_steps": 7,
+        "postrain.grpo.logging_steps": 1,
+        "postrain.heldout_eval.batch_size": 3,
+        "postrain.preference.batch_size": 3,
+        "evaluation.threads": 2,
+        "evaluation.poll_seconds": 1,
+    }
+    assert build_all(run_dir, **operational) == []
+
+
+@pytest.mark.parametrize(
+    "change, rebuilt",
+    [
+        # curate: a dedup setting reruns dedup and everything after it, not ingest or filter
+        ({"curate.dedup.minhash.buckets": 10}, ["dedup", "decontaminate", "tokenizer", "tokenize", "mixtures", *PRETRAIN, *POST]),
+        # pretrain: the long-context phase's RoPE base reruns that phase and post-training only
+        ({"pretrain.phases.3.rope_theta": 200000}, ["pretrain_long_context", *POST]),
+        # pretrain: a phase's budget changes the mixtures, every phase (the schedule is global) and what follows
+        ({"pretrain.phases.1.tokens": 3000}, ["mixtures", *PRETRAIN, *POST]),
+        # post-training: APO's beta reruns APO and GRPO only
+        ({"postrain.apo.beta": 0.2}, ["apo", "grpo"]),
+        # post-training: the held-out evaluation settings are read by every step that scores its model
+        ({"postrain.heldout_eval.max_new_tokens": 32}, POST),
+    ],
+)
+def test_a_value_reruns_exactly_the_steps_that_read_it_and_their_downstream(tmp_path, change, rebuilt):
+    build_all(tmp_path)
+    assert build_all(tmp_path, **change) == rebuilt
+
+
+def test_evaluation_results_are_keyed_by_what_changes_a_score(tmp_path):
+    """The eval family: the item limit re-scores, threads or niceness do not."""
+    store = ResultStore(str(tmp_path))
+    model = ModelRef(str(tmp_path), "fp", "phase1/step00000005", "checkpoint", "phase1")
+    base = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=8)
+    store.put(model, {"smol_arithmetic_cf": {"acc": 0.25}}, eval_key(base), 8, 1.0)
+    for same in (base.model_copy(update={"threads": 2, "nice": 0, "batch_size": 4, "poll_seconds": 1}),):
+        assert store.pending(model, ["smol_arithmetic_cf"], eval_key(same)) == []
+    for other in (base.model_copy(update={"limit": 16}), base.model_copy(update={"max_length": 64})):
+        assert store.pending(model, ["smol_arithmetic_cf"], eval_key(other)) == ["smol_arithmetic_cf"]
+
+
+def test_dry_run_names_the_changed_keys_and_runs_nothing(everything):
+    run_dir, _ = everything
+    recipe = write_recipe(run_dir.parent / "micro-dry.yaml", micro_recipe())
+    before = {p: p.stat().st_mtime for p in run_dir.rglob("manifest.json")}
+    (run_dir / "recipe.json").write_text(json.dumps(parse_recipe(micro_recipe(), "m").model_dump(mode="json")))
+    smolflow = str(Path(sys.executable).parent / "smolflow")
+    args = ["--run-dir", str(run_dir), "--set", "postrain.apo.beta=0.2", "--set", "pretrain.launcher.threads_per_rank=2", "--dry-run"]
+    out = subprocess.run([smolflow, "run", str(recipe), *args], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "postrain.apo.beta: 0.1 -> 0.2" in text and "pretrain.launcher.threads_per_rank: 1 -> 2   (operational: reruns nothing)" in text
+    assert "  cached   sft" in text and "  rerun    apo" in text and "apo.beta: 0.1 -> 0.2" in text
+    assert "  rerun    grpo  (after apo)" in text and "2 of 17 steps would run; 15 cached." in text
+    assert {p: p.stat().st_mtime for p in run_dir.rglob("manifest.json")} == before
+    frozen = json.loads((run_dir / "recipe.json").read_text())
+    assert frozen["postrain"]["apo"]["beta"] == 0.1, "a dry run freezes nothing"
+
+
+def _imports(folder: str) -> set[str]:
+    found = set()
+    for path in (REPO / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("__import__", "import_module"):
+                found.add("<dynamic>")
+    return found
+
+
+def test_layers_point_one_way():
+    assert not _imports("infra") & {"flows", "tasks", "model", "postrain", "bench", "tests", "<dynamic>"}
+    for stage_library in ("model", "postrain"):
+        assert not _imports(stage_library) & {"flows", "tasks", "bench", "tests", "<dynamic>"}, stage_library
+    assert not _imports("tasks") & {"flows", "bench", "tests", "<dynamic>"}
+    assert not _imports("bench") & {"tests"}
+
+
+def test_step_names_are_spelled_only_in_the_graph_module():
+    """Stage names (flows, CLI, deployments) are another concept; a stage of one step shares its spelling."""
+    graph = build_graph(parse_recipe(micro_recipe(), "micro"))
+    names = {s.name for s in graph.steps} - set(STAGES) - {s.name for s in graph.phases}  # phases: user-named
+    for folder in ("infra", "model", "postrain", "tasks", "flows"):
+        for path in (REPO / folder).rglob("*.py"):
+            if path.name == "graph.py":
+                continue
+            tree = ast.parse(path.read_text())
+            literals = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+            assert not literals & names, f"{path.relative_to(REPO)} spells step names {sorted(literals & names)}"
