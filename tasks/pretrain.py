@@ -135,9 +135,12 @@ def train_phase(cfg: PhaseStepCfg, inputs: Mapping[str, StepOutput], out: Path) 
     command = launch_command(cfg.launcher, "model.train", [str(job_path)], port=free_port())
     log.info("pretrain %s: %s", t.phase, " ".join(command))
     code = run_streaming(command, launch_env(cfg.launcher, trainer_env(cfg.storage, run_dir)), log.info)
-    if code != 0:
-        raise TrainerFailed(f"pretrain {t.phase}: trainer exited with code {code}; a retry resumes from its newest checkpoint")
-    return json.loads((out / "summary.json").read_text())
+    summary = out / "summary.json"  # written last, by rank 0, once the phase is done
+    if code != 0 or not summary.is_file():
+        raise TrainerFailed(
+            f"pretrain {t.phase}: trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint"
+        )
+    return json.loads(summary.read_text())
 
 
 @stage_task("pretrain-report", retries=1)

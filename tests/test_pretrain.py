@@ -344,10 +344,12 @@ def test_a_phase_killed_on_two_ranks_resumes_on_one(tmp_path):
         while time.time() < deadline:
             latest = checkpoints / "latest.json"
             if latest.exists() and json.loads(latest.read_text())["step"] >= 10:
+                # SIGKILL without waiting: reaping the launcher here would leave its Popen an exit code of 0
                 for proc in psutil.Process().children(recursive=True):
                     try:
                         if "torch.distributed.run" in " ".join(proc.cmdline()):
-                            kill_tree(proc.pid)
+                            for p in proc.children(recursive=True) + [proc]:
+                                p.kill()
                     except psutil.Error:
                         pass  # a process that ended while we looked
                 return
