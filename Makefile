@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 RECIPE ?= configs/tiny.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast serve serve-stop deploy clean
+.PHONY: setup demo ablate test test-fast serve serve-stop deploy clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,6 +19,11 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/smolflow run $(RECIPE)
+
+# APO vs DPO on the tiny recipe, 3 seeds each; shared steps built once (configs/ablations/)
+ABLATION ?= configs/ablations/apo_vs_dpo.yaml
+ablate: $(STAMP)
+	$(BIN)/smolflow ablate $(ABLATION)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

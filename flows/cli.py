@@ -194,6 +194,35 @@ def stage(
 
 
 @app.command()
+def ablate(
+    ablation: Annotated[Path, typer.Argument(help="Ablation file, e.g. configs/ablations/apo_vs_dpo.yaml.", show_default=False)],
+    run_dir: Annotated[str | None, typer.Option("--run-dir", help="Folder of the ablation [default: runs/ablations/<name>].")] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Per run, which steps are cached, built, or shared with other runs; run nothing.")
+    ] = False,
+    report_only: Annotated[bool, typer.Option("--report", help="Only rebuild the comparison report from what the runs hold.")] = False,
+) -> None:
+    """Run the variants of an ablation side by side, each step they share built once, and compare them.
+
+    An ablation file names a base recipe and variants (a name + `--set` overrides each), optionally seeds
+    per variant; every run gets a run dir under the ablation's folder, and the report
+    (report/ablation.md) gives each variant's scores with standard errors and the difference from the
+    baseline variant with a 95% interval."""
+    from flows.ablation import ablation_flow, explain, open_ablation
+    from flows.ablation import report as ablation_report
+
+    try:
+        abl = open_ablation(str(ablation), run_dir)  # every variant validated before a Prefect server starts
+        if dry_run:
+            typer.echo("\n".join(explain(abl)))
+            return
+        path = ablation_report(abl) if report_only else ablation_flow(str(ablation), run_dir)
+    except SmolflowError as err:
+        _fail(err)
+    typer.echo(str(path))
+
+
+@app.command()
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run dir, e.g. runs/tiny.", show_default=False)],
     recipe: Annotated[Path | None, typer.Option(help="Recipe of the run [default: the run dir's recipe.json].")] = None,
@@ -263,3 +292,7 @@ def server_status(port: Annotated[int | None, typer.Option(help="Port [default: 
 
     for key, value in Server.here(port).status().items():
         typer.echo(f"{key}: {value}")
+
+
+if __name__ == "__main__":
+    app()

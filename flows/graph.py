@@ -90,17 +90,21 @@ def build_graph(recipe: Recipe) -> Graph:
 
     config = postrain.ChatDataStepCfg(data=post.data, eval_sets=c.decontaminate.eval_sets, seed=recipe.seed)
     chats = add(Step("chat_data", "sft", postrain.chat_data, config, watch=postrain.eval_sets))
-    config = postrain.SFTStepCfg(sft=post.sft, heldout_eval=post.heldout_eval, seed=recipe.seed)
+    config = postrain.SFTStepCfg(sft=post.sft, heldout_eval=post.heldout_eval, seed=_seed(post.sft.seed, recipe))
     sft = add(Step("sft", "sft", postrain.sft, config, {"chats": chats, "base": phases[-1]}, model="sft"))
     config = postrain.PreferenceStepCfg(preference=post.preference)
     pairs = add(Step("preference", "preference", postrain.preference, config, {"chats": chats, "policy": sft}))
-    config = postrain.APOStepCfg(apo=post.apo, heldout_eval=post.heldout_eval, seed=recipe.seed)
+    config = postrain.APOStepCfg(apo=post.apo, heldout_eval=post.heldout_eval, seed=_seed(post.apo.seed, recipe))
     apo = add(Step("apo", "apo", postrain.apo, config, {"chats": chats, "pairs": pairs, "policy": sft}, model="apo"))
-    config = postrain.GRPOStepCfg(grpo=post.grpo, heldout_eval=post.heldout_eval, seed=recipe.seed)
+    config = postrain.GRPOStepCfg(grpo=post.grpo, heldout_eval=post.heldout_eval, seed=_seed(post.grpo.seed, recipe))
     grpo = add(Step("grpo", "grpo", postrain.grpo, config, {"chats": chats, "policy": apo}, model="grpo"))
 
     curation = {"ingested": ingest, "filtered": filtered, "deduped": deduped, "decontaminated": decont, "tokenized": tokens, "mixed": mixed}
     return Graph(steps, curation, phases, [sft, apo, grpo], pairs, Models(steps, heldout=tokens))
+
+
+def _seed(seed: int | None, recipe: Recipe) -> int:
+    return recipe.seed if seed is None else seed
 
 
 def _eval_sets(cfg: curate.DecontaminateStepCfg) -> dict[str, str]:

@@ -438,6 +438,7 @@ class TrainerCfg(Strict):
     save_steps: int = operational(100, gt=0)
     logging_steps: int = operational(10, gt=0)
     max_length: int = Field(256, gt=0)
+    seed: int | None = Field(None, description="this trainer's seed; default: the recipe's (an ablation varies it to repeat a step)")
 
 
 class SFTCfg(TrainerCfg):
@@ -589,8 +590,8 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid recipe ({err.error_count()} problem{'s' if err.error_count() > 1 else ''})"]
+def format_validation_error(err: ValidationError, source: str, what: str = "recipe") -> str:
+    lines = [f"{source}: invalid {what} ({err.error_count()} problem{'s' if err.error_count() > 1 else ''})"]
     for e in err.errors():
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
@@ -633,14 +634,18 @@ def parse_recipe(data: Any, source: str) -> Recipe:
         raise RecipeError(format_validation_error(err, source)) from None
 
 
-def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    path = Path(path)
+def read_yaml(path: Path, what: str = "recipe") -> Any:
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except FileNotFoundError:
-        raise RecipeError(f"{path}: recipe file not found") from None
+        raise RecipeError(f"{path}: {what} file not found") from None
     except yaml.YAMLError as err:
         raise RecipeError(f"{path}: not valid YAML: {err}") from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    path = Path(path)
+    data = read_yaml(path)
     for assignment in overrides:
         apply_override(data, assignment)
     return parse_recipe(data, str(path))

@@ -17,12 +17,14 @@ from there if the recipe goes back to it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import platform
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ MANIFEST = "manifest.json"
 RECIPE = "recipe.json"  # the run's frozen recipe
 PREVIOUS = ".previous"  # RUN/.previous/NAME-ID[.partial]: versions moved aside when a step's identity changed
 _STEP_ID_FILE = ".step_id"
+STORE = ".store"  # RUN/.store: a link to the step store the run shares with others (an ablation's runs)
 _OWNER_FILE = ".recipe_owner"  # the flow run that froze recipe.json: its retries and relaunches read it as is
 # Folders of a step that are neither fingerprinted nor mirrored with it: logs change from run to
 # run, and checkpoints are mirrored as they are written (model/checkpoint.py).
@@ -176,18 +179,75 @@ def finished(run_dir: Path, name: str) -> StepOutput | None:
 # --- building --------------------------------------------------------------------------------
 
 
-def run_step(run_dir: Path, step: Step, inputs: Mapping[str, StepOutput], mirror: Mirror | None = None) -> StepOutput:
-    """Return the step's outputs, building them only when no finished copy with this identity exists."""
+def run_step(
+    run_dir: Path, step: Step, inputs: Mapping[str, StepOutput], mirror: Mirror | None = None, store: Path | None = None
+) -> StepOutput:
+    """Return the step's outputs, building them only when no finished copy with this identity exists.
+
+    With a `store` (shared by the runs of an ablation), the step lives in `STORE/NAME-ID` and the run
+    dir links to it, so runs whose step has the same identity build it once; a run that finds it being
+    built by another waits for it instead of standing down.
+    """
     run_dir = Path(run_dir)
     fingerprints = step.fingerprints(inputs)
     sid = step_id(step.name, identity(step.config), fingerprints)
-    final = run_dir / step.name
+    if store is None:
+        return _locked(run_dir, step.name, step, sid, fingerprints, inputs, mirror)
+    folder = f"{step.name}-{sid}"
+    with _store_lock(store / folder):
+        _link(run_dir, run_dir / ".partial" / step.name, store / ".partial" / folder)  # the eval follower sees its checkpoints
+        waited = 0
+        while True:
+            try:
+                output = _locked(Path(store), folder, step, sid, fingerprints, inputs, mirror)
+                break
+            except StepLocked as err:
+                if waited % 300 == 0:
+                    log.info("%s; waiting for it", err)
+                time.sleep(5)
+                waited += 5
+        (run_dir / ".partial" / step.name).unlink(missing_ok=True)
+        if not output.cached:
+            _log_build(store, folder, run_dir, output.seconds)
+    _link(run_dir, run_dir / step.name, store / folder)
+    return dataclasses.replace(output, path=run_dir / step.name)
+
+
+BUILDS = "builds.jsonl"  # STORE/builds.jsonl: which run built which store folder, one line per build
+
+
+def _log_build(store: Path, folder: str, run_dir: Path, seconds: float) -> None:
+    line = json.dumps({"folder": folder, "run": run_dir.name, "seconds": seconds, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    with open(Path(store) / BUILDS, "a") as f:  # one short O_APPEND write: lines of concurrent builders never mix
+        f.write(line + "\n")
+
+
+_STORE_LOCKS: dict[Path, threading.Lock] = {}
+
+
+def _store_lock(folder: Path) -> threading.Lock:
+    """One builder per store folder among the threads of this process (the lock file covers processes)."""
+    return _STORE_LOCKS.setdefault(folder.resolve(), threading.Lock())
+
+
+def _link(run_dir: Path, link: Path, target: Path) -> None:
+    """Point LINK at TARGET (relative, replaced atomically); a real folder there is set aside, never deleted."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.exists() and not link.is_symlink():
+        _set_aside(run_dir, link, link.name)
+    tmp = link.with_name(f".{link.name}.link")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(os.path.relpath(target, link.parent))
+    os.replace(tmp, link)
+
+
+def _locked(root: Path, folder: str, step: Step, sid: str, fingerprints: dict[str, str], inputs, mirror: Mirror | None) -> StepOutput:
+    final = root / folder
     manifest = read_manifest(final)
     if manifest and manifest.get("step_id") == sid:
         log.info("step %s: finished earlier (step id %s), skipping", step.name, sid)
         return _output(manifest, final, cached=True)
-
-    lock = run_dir / ".partial" / f"{step.name}.lock"
+    lock = root / ".partial" / f"{folder}.lock"
     if not take_lock(lock):
         holder = lock_holder(lock) or {}
         raise StepLocked(
@@ -195,32 +255,33 @@ def run_step(run_dir: Path, step: Step, inputs: Mapping[str, StepOutput], mirror
             f"not starting a second builder (delete {lock} if that process is gone)"
         )
     try:
-        return _build(run_dir, step, sid, fingerprints, inputs, mirror)
+        return _build(root, folder, step, sid, fingerprints, inputs, mirror)
     finally:
         lock.unlink(missing_ok=True)
 
 
-def _build(run_dir: Path, step: Step, sid: str, fingerprints: dict[str, str], inputs, mirror: Mirror | None) -> StepOutput:
+def _build(root: Path, folder: str, step: Step, sid: str, fingerprints: dict[str, str], inputs, mirror: Mirror | None) -> StepOutput:
+    """Build into ROOT/.partial/FOLDER and commit to ROOT/FOLDER (FOLDER: the step's name, or NAME-ID in a store)."""
     name = step.name
-    final, partial = run_dir / name, run_dir / ".partial" / name
+    final, partial = root / folder, root / ".partial" / folder
     if (manifest := read_manifest(final)) and manifest.get("step_id") == sid:  # finished while we waited for the lock
         return _output(manifest, final, cached=True)
-    kept = _previous(run_dir, name, sid)
+    kept = _previous(root, folder, sid)
     if (manifest := read_manifest(kept)) and manifest.get("step_id") == sid:
         log.info("step %s: restoring the finished version %s kept in %s", name, sid, kept)
-        _commit(run_dir, kept, final)
+        _commit(root, kept, final)
         return _output(manifest, final, cached=True)
-    if mirror is not None and (remote := mirror.read_marker(name, MANIFEST)) and remote.get("step_id") == sid:
+    if mirror is not None and (remote := mirror.read_marker(folder, MANIFEST)) and remote.get("step_id") == sid:
         log.info("step %s: pulling the finished copy from %s", name, mirror.prefix)
-        _set_aside(run_dir, partial, name)
-        mirror.pull(name, partial, MANIFEST)
-        _commit(run_dir, partial, final)
+        _set_aside(root, partial, folder)
+        mirror.pull(folder, partial, MANIFEST)
+        _commit(root, partial, final)
         return _output(remote, final, cached=True)
     if partial.exists() and _read_text(partial / _STEP_ID_FILE) != sid:
-        _set_aside(run_dir, partial, name)
-    if not partial.exists() and _previous(run_dir, name, sid, ".partial").exists():
+        _set_aside(root, partial, folder)
+    if not partial.exists() and _previous(root, folder, sid, ".partial").exists():
         log.info("step %s: resuming the partial build %s kept in %s", name, sid, PREVIOUS)
-        os.replace(_previous(run_dir, name, sid, ".partial"), partial)
+        os.replace(_previous(root, folder, sid, ".partial"), partial)
     partial.mkdir(parents=True, exist_ok=True)
     (partial / _STEP_ID_FILE).write_text(sid)
 
@@ -240,9 +301,9 @@ def _build(run_dir: Path, step: Step, sid: str, fingerprints: dict[str, str], in
     }
     (partial / _STEP_ID_FILE).unlink()
     write_json_atomic(partial / MANIFEST, manifest)
-    _commit(run_dir, partial, final)
+    _commit(root, partial, final)
     if mirror is not None:
-        mirror.push(final, name, MANIFEST, skip_dirs=UNTRACKED_DIRS)
+        mirror.push(final, folder, MANIFEST, skip_dirs=UNTRACKED_DIRS)
     log.info("step %s: built in %.1f s", name, seconds)
     return _output(manifest, final, cached=False)
 
@@ -298,11 +359,14 @@ class Status:
     state: str
     reason: str = ""
     changes: list[tuple[str, Any, Any]] = field(default_factory=list)
+    output: StepOutput | None = None  # where a cached step's outputs are
 
 
-def statuses(run_dir: Path, steps: Iterable[Step]) -> list[Status]:
-    """For each step (in DAG order), whether it is cached or would (re)build, with the config keys that changed."""
+def statuses(run_dir: Path, steps: Iterable[Step], store: Path | None = None) -> list[Status]:
+    """For each step (in DAG order), whether it is cached or would (re)build, with the config keys that changed
+    (looking in the run's step store, if it has one or `store` is given)."""
     run_dir, out, current = Path(run_dir), [], {}
+    store = store or store_of(run_dir)
     for step in steps:
         manifest = read_manifest(run_dir / step.name)
         changes = changed_keys(manifest["config"], identity(step.config)) if manifest else []
@@ -314,37 +378,49 @@ def statuses(run_dir: Path, steps: Iterable[Step]) -> list[Status]:
             continue
         fps = step.fingerprints({k: current[d.name] for k, d in step.deps.items()})
         sid = step_id(step.name, identity(step.config), fps)
-        if manifest and manifest["step_id"] == sid:
-            current[step.name] = _output(manifest, run_dir / step.name, cached=True)
-            out.append(Status(step, "cached"))
+        root, folder = (store, f"{step.name}-{sid}") if store else (run_dir, step.name)
+        found = read_manifest(root / folder)
+        if found and found["step_id"] == sid:
+            current[step.name] = _output(found, root / folder, cached=True)
+            reason = "" if manifest and manifest["step_id"] == sid else f"in the store {store}"
+            out.append(Status(step, "cached", reason, output=current[step.name]))
             continue
         current[step.name] = None
         inputs_changed = sorted(k for k, v in fps.items() if manifest and manifest.get("inputs", {}).get(k) != v)
         reason = f"inputs changed: {', '.join(inputs_changed)}" if inputs_changed else ""
-        if read_manifest(_previous(run_dir, step.name, sid)):
+        if read_manifest(_previous(root, folder, sid)):
             out.append(Status(step, "restore", f"kept in {PREVIOUS}", changes))
-        elif _read_text(run_dir / ".partial" / step.name / _STEP_ID_FILE) == sid or _previous(run_dir, step.name, sid, ".partial").exists():
+        elif _read_text(root / ".partial" / folder / _STEP_ID_FILE) == sid or _previous(root, folder, sid, ".partial").exists():
             out.append(Status(step, "resume", "a partial build with this identity exists", changes))
         else:
             out.append(Status(step, "rerun" if manifest else "run", reason, changes))
     return out
 
 
+def plan_ids(steps: Iterable[Step]) -> dict[str, str]:
+    """An id per step from configs alone, upstream plan ids standing in for content fingerprints (in DAG
+    order). Steps of two runs with equal plan ids receive the same inputs once built, so they get the
+    same step id: an ablation knows before building anything which steps its variants share."""
+    ids: dict[str, str] = {}
+    for step in steps:
+        ids[step.name] = step.step_id({role: ids[d.name] for role, d in step.deps.items()})
+    return ids
+
+
 def require(run_dir: Path, step: Step, status: Status, needed_by: str) -> StepOutput:
     """A finished upstream step of another stage, current with the recipe (`status`); says what to run if not."""
-    output = finished(run_dir, step.name)
-    if output is None:
+    if status.state == "cached" and status.output is not None:
+        return status.output
+    if finished(run_dir, step.name) is None:
         raise UpstreamMissing(
             f"{needed_by} needs the output of step {step.name!r}, which {run_dir} does not have: run the stage that "
             f"produces it first: `smolflow stage {step.stage} RECIPE --run-dir {run_dir}` (or `smolflow run` for the whole pipeline)"
         )
-    if status.state != "cached":
-        changed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in status.changes) or status.reason or "its inputs changed"
-        raise UpstreamMissing(
-            f"{needed_by} needs step {step.name!r}, whose output in {run_dir} is out of date with the recipe ({changed}): "
-            f"run `smolflow stage {step.stage} RECIPE --run-dir {run_dir}` first (or `smolflow run`)"
-        )
-    return output
+    changed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in status.changes) or status.reason or "its inputs changed"
+    raise UpstreamMissing(
+        f"{needed_by} needs step {step.name!r}, whose output in {run_dir} is out of date with the recipe ({changed}): "
+        f"run `smolflow stage {step.stage} RECIPE --run-dir {run_dir}` first (or `smolflow run`)"
+    )
 
 
 # --- one run of a recipe ---------------------------------------------------------------------
@@ -395,8 +471,8 @@ class Run:
             (root / _OWNER_FILE).write_text(owner or "")
             _OPENED[root.resolve()] = new
         run = cls._make(new, root, changes)
-        if freeze and run.mirror is not None:
-            run.mirror.put_file(root / RECIPE, RECIPE)
+        if freeze and run.mirror is not None:  # the runs of a store share a mirror: each recipe under its run's name
+            run.mirror.put_file(root / RECIPE, f"{root.name}/{RECIPE}" if store_of(root) else RECIPE)
         return run
 
     @classmethod
@@ -405,7 +481,13 @@ class Run:
         return cls(recipe=recipe, run_dir=root, mirror=mirror, changes=changes)
 
     def build(self, step: Step, inputs: Mapping[str, StepOutput]) -> StepOutput:
-        return run_step(self.run_dir, step, inputs, self.mirror)
+        return run_step(self.run_dir, step, inputs, self.mirror, store_of(self.run_dir))
+
+
+def store_of(run_dir: Path) -> Path | None:
+    """The step store a run dir shares with others (its `.store` link), if any."""
+    link = Path(run_dir) / STORE
+    return link if link.is_dir() else None
 
 
 def frozen_recipe(data: dict[str, Any], source: str) -> Recipe:

@@ -70,6 +70,7 @@ def heldout_accuracy(backend: Backend, tokenizer, items: list[dict[str, Any]], m
     for item, ok in zip(items, correct, strict=True):
         by_family.setdefault(item["family"], []).append(ok)
     return {
+        "items": len(items),
         "accuracy": sum(correct) / len(items),
         "mean_answer_tokens": sum(lengths) / len(items),
         "answered": sum(extract_answer(c) is not None for c in completions) / len(items),

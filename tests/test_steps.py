@@ -149,3 +149,38 @@ def test_a_run_freezes_its_recipe_and_relaunches_read_it(tmp_path):
     assert frozen["postrain"]["apo"]["beta"] == 0.1
     changed = Run.open(str(path), str(tmp_path / "run"), owner="flow-run-2")  # a new run of the edited recipe: explicit
     assert changed.changes == (("postrain.apo.beta", 0.1, 0.5),) and changed.recipe.postrain.apo.beta == 0.5
+
+
+def test_runs_sharing_a_store_build_a_step_once_even_at_the_same_time(tmp_path):
+    """An ablation's runs: the step lives in STORE/NAME-ID, each run dir links to it; a second builder waits."""
+    import threading
+    import time
+
+    store, calls = tmp_path / "steps", []
+
+    def slow(cfg, inputs, out: Path) -> dict:
+        calls.append(threading.current_thread().name)
+        time.sleep(0.5)  # long enough for the other run to arrive while it builds
+        (out / "data.txt").write_text("x")
+        return {}
+
+    shared = Step("a", "test", slow, Cfg(v=1))
+    outputs = {}
+
+    def build(run: str) -> None:
+        outputs[run] = run_step(tmp_path / run, shared, {}, store=store)
+
+    runs = [threading.Thread(target=build, args=(r,), name=r) for r in ("r1", "r2")]
+    for t in runs:
+        t.start()
+    for t in runs:
+        t.join()
+    assert len(calls) == 1 and sorted(o.cached for o in outputs.values()) == [False, True]
+    folder = store / f"a-{shared.step_id({})}"
+    assert (tmp_path / "r1" / "a").resolve() == (tmp_path / "r2" / "a").resolve() == folder.resolve()
+    assert [json.loads(line)["folder"] for line in (store / "builds.jsonl").read_text().splitlines()] == [folder.name]
+    # another identity in one run: a second store folder, the first one kept for the other run
+    other = run_step(tmp_path / "r2", Step("a", "test", slow, Cfg(v=2)), {}, store=store)
+    assert not other.cached and len(calls) == 2 and folder.is_dir()
+    assert (tmp_path / "r1" / "a" / "data.txt").read_text() == "x"
+    assert statuses(tmp_path / "r3", [shared], store=store)[0].state == "cached"  # a new run finds it in the store

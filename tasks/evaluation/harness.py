@@ -84,7 +84,7 @@ def run_tasks(model_dir: Path, tasks: list[str], include: Path, cfg: EvalCfg, ch
         limit=cfg.limit,
         batch_size=cfg.batch_size,
         apply_chat_template=chat,
-        bootstrap_iters=0,
+        bootstrap_iters=100,  # mean metrics (acc, exact_match) get lm-eval's closed-form stderr; only f1-like ones bootstrap
         log_samples=False,
         random_seed=0,
         numpy_random_seed=0,
@@ -110,11 +110,11 @@ def _model(model_dir: Path, cfg: EvalCfg):
 
 
 def _plain(metrics: dict[str, Any]) -> dict[str, float]:
-    """'acc,none' -> 'acc'; drops stderr placeholders and non-numbers."""
+    """'acc,none' -> 'acc', 'acc_stderr,none' -> 'acc_stderr'; drops non-numbers (stderr placeholders: 'N/A')."""
     out = {}
     for key, value in metrics.items():
         name = key.split(",")[0]
-        if name in ("alias", "sample_len") or "stderr" in name or not isinstance(value, (int, float)) or math.isnan(value):
+        if name in ("alias", "sample_len") or not isinstance(value, (int, float)) or math.isnan(value):
             continue
         out[name if key.endswith(",none") or "," not in key else key.replace(",", "/")] = float(value)
     return out

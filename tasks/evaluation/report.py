@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.steps import Step, StepOutput, finished
-from tasks.evaluation.results import main_metric
+from tasks.evaluation.results import made_by, main_metric
 
 
 @dataclass
@@ -35,7 +35,7 @@ def build_report(run_dir: Path, name: str, graph: list[Step]) -> Card:
     plots_dir.mkdir(parents=True, exist_ok=True)
     card = Card(path=out / "card.md", markdown="")
     steps = {s.name: o for s in graph if (o := finished(run_dir, s.name))}
-    evals = _eval_records(run_dir)
+    evals = _eval_records(run_dir, graph)
     order = [s.checkpoints for s in graph if s.checkpoints] + [s.model for s in graph if s.model]
     lines = [f"# Report card: {name}", "", f"Run dir `{run_dir}`, built {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", ""]
     lines += _summary(graph, steps, evals)
@@ -51,8 +51,11 @@ def build_report(run_dir: Path, name: str, graph: list[Step]) -> Card:
     return card
 
 
-def _eval_records(run_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((run_dir / "evals" / "results").glob("*.json"))]
+def _eval_records(run_dir: Path, graph: list[Step]) -> list[dict]:
+    """This run's results: a result store shared with other runs (an ablation's) holds theirs too."""
+    ours = {made_by(folder) for s in graph for folder in (run_dir / s.name, run_dir / ".partial" / s.name)} - {None}
+    records = [json.loads(p.read_text()) for p in sorted((run_dir / "evals" / "results").glob("*.json"))]
+    return [r for r in records if r["model"].get("step_id") in ours or r["model"].get("step_id") is None]
 
 
 def _training_order(model: dict, order: list[str]) -> tuple:

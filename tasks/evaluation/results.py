@@ -25,7 +25,7 @@ from typing import Any
 
 from infra.locks import take_lock
 from infra.recipe import EvalCfg, S3Cfg
-from infra.steps import MANIFEST, Step, identity, step_id
+from infra.steps import MANIFEST, Step, building_step_id, identity, read_manifest, step_id
 from infra.storage import file_digest, filesystem, with_retries
 from model.checkpoint import MARKER, is_complete
 
@@ -45,6 +45,12 @@ def main_metric(metrics: dict[str, float]) -> tuple[str, float] | None:
     return (key, metrics[key]) if key else None
 
 
+def stderr_of(metrics: dict[str, float], key: str) -> float | None:
+    """The standard error lm-eval reported for metric KEY ('acc' -> 'acc_stderr', 'a/b' -> 'a_stderr/b')."""
+    name, _, flt = key.partition("/")
+    return metrics.get(f"{name}_stderr" + (f"/{flt}" if flt else ""))
+
+
 @dataclass(frozen=True)
 class ModelRef:
     """One model folder to evaluate and its place in the run (for plots: stage, step, tokens)."""
@@ -56,9 +62,18 @@ class ModelRef:
     stage: str  # the pretraining phase of a checkpoint, the label of a model
     step: int | None = None
     tokens: int | None = None
+    step_id: str | None = None  # the id of the step that made it: runs sharing a result store tell theirs apart
 
     def info(self) -> dict[str, Any]:
-        return {"path": self.path, "label": self.label, "kind": self.kind, "stage": self.stage, "step": self.step, "tokens": self.tokens}
+        return {
+            "path": self.path,
+            "label": self.label,
+            "kind": self.kind,
+            "stage": self.stage,
+            "step": self.step,
+            "tokens": self.tokens,
+            "step_id": self.step_id,
+        }
 
 
 def fingerprint_listing(files: dict[str, str]) -> str:
@@ -86,8 +101,9 @@ def models_in_run(run_dir: Path, steps: list[Step]) -> list[ModelRef]:
     for step in steps:
         if step.checkpoints is None:
             continue
-        for root in (run_dir / step.name / "checkpoints", run_dir / ".partial" / step.name / "checkpoints"):
-            for folder in sorted(root.glob("step*")):
+        for root in (run_dir / step.name, run_dir / ".partial" / step.name):
+            sid = made_by(root)
+            for folder in sorted((root / "checkpoints").glob("step*")):
                 if folder.is_dir() and is_complete(folder) and (folder / "hf").is_dir():
                     marker = json.loads((folder / MARKER).read_text())
                     models.append(
@@ -99,16 +115,28 @@ def models_in_run(run_dir: Path, steps: list[Step]) -> list[ModelRef]:
                             stage=step.checkpoints,
                             step=marker.get("step"),
                             tokens=marker.get("tokens"),
+                            step_id=sid,
                         )
                     )
     for step in steps:
         folder = run_dir / step.name / "final"
         if step.model and (run_dir / step.name / MANIFEST).is_file() and folder.is_dir():
-            models.append(ModelRef(str(folder), local_fingerprint(folder), step.model, "model", step.model))
+            models.append(ModelRef(str(folder), local_fingerprint(folder), step.model, "model", step.model, step_id=made_by(folder.parent)))
     unique = {}
     for m in models:  # a checkpoint seen mid-rename (partial and committed) counts once
         unique.setdefault(m.fingerprint, m)
     return list(unique.values())
+
+
+def made_by(step_dir: Path) -> str | None:
+    """The id of the step a finished or partial step folder holds."""
+    manifest = read_manifest(step_dir)
+    if manifest:
+        return manifest["step_id"]
+    try:
+        return building_step_id(step_dir)
+    except FileNotFoundError:
+        return None
 
 
 def models_in_prefix(prefix: str, s3: S3Cfg | None, steps: list[Step]) -> list[ModelRef]:

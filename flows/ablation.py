@@ -1,0 +1,182 @@
+"""Ablations: run recipe variants side by side, build every step they share once, compare them.
+
+Each run of an ablation (a variant with one seed) is an ordinary run dir, `ABLATION/RUN`, run by
+the full pipeline, so its report card, `smolflow stage ... --run-dir` and `smolflow eval` work
+as for any run. What makes the runs share work is the step store `ABLATION/steps`: every run dir
+links to it (`RUN/.store`), a step is built into `steps/NAME-ID` and linked from the run dirs whose
+step has that identity (infra/steps.py `run_step`), and a run that finds a shared step being built
+by another waits for it. Evaluation results are shared the same way (`RUN/evals/results` links to
+`ABLATION/evals/results`, keyed by model content), so a shared checkpoint is scored once.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from flows.graph import STAGES, build_graph
+from flows.pipeline import full_pipeline
+from infra.ablation import Ablation, load_ablation
+from infra.errors import SmolflowError
+from infra.steps import STORE, plan_ids, statuses
+from infra.storage import write_json_atomic
+from tasks.evaluation.compare import AblationRunDir, publish_comparison
+
+STEPS = "steps"  # ABLATION/steps: the store of every step the runs build
+RESULTS = Path("evals") / "results"
+
+
+def open_ablation(path: str, run_dir: str | None = None) -> Ablation:
+    """Load and validate the ablation file, every run's recipe and graph, before anything runs."""
+    ablation = load_ablation(path, run_dir)
+    if ablation.cfg.until is not None and ablation.cfg.until not in STAGES:
+        raise SmolflowError(f"{path}: until: unknown stage {ablation.cfg.until!r}; stages: {', '.join(STAGES)}")
+    for run in ablation.runs:
+        build_graph(run.recipe)
+    return ablation
+
+
+def prepare(ablation: Ablation) -> None:
+    """The run dirs, each linked to the shared step store and result store."""
+    root = ablation.root
+    (root / STEPS).mkdir(parents=True, exist_ok=True)
+    (root / RESULTS).mkdir(parents=True, exist_ok=True)
+    for run in ablation.runs:
+        run_dir = root / run.name
+        (run_dir / RESULTS).parent.mkdir(parents=True, exist_ok=True)
+        for link, target in ((run_dir / STORE, root / STEPS), (run_dir / RESULTS, root / RESULTS)):
+            if not link.is_symlink():
+                if link.exists():
+                    raise SmolflowError(f"{link} exists and is not a link to {target}: use another run dir for this ablation")
+                link.symlink_to(os.path.relpath(target, link.parent))
+    previous = json.loads((root / "ablation.json").read_text()) if (root / "ablation.json").is_file() else {}
+    write_json_atomic(
+        root / "ablation.json",
+        {
+            "wall_seconds": previous.get("wall_seconds", []),  # one per `smolflow ablate`, the first the full build
+            "file": str(ablation.path),
+            "config": ablation.cfg.model_dump(mode="json"),
+            "runs": [{"name": r.name, "variant": r.variant, "seed": r.seed, "overrides": list(r.overrides)} for r in ablation.runs],
+        },
+    )
+
+
+def stages_of(ablation: Ablation) -> list[str]:
+    until = ablation.cfg.until
+    return list(STAGES[: STAGES.index(until) + 1] if until else STAGES)
+
+
+def explain(ablation: Ablation) -> list[str]:
+    """A table of what each run would do with each step: `build`, `cached` (in the store), or `shared`
+    (built once, by the first run that needs it); then what sharing saves. Steps are matched by plan id
+    (infra/steps.py `plan_ids`): equal configs and equal upstream steps."""
+    stages = set(stages_of(ablation))
+    store = ablation.root / STEPS
+    users: dict[tuple[str, str], list[str]] = {}
+    per_run, names = [], []
+    for run in ablation.runs:
+        steps = [s for s in build_graph(run.recipe).steps if s.stage in stages]
+        ids = plan_ids(steps)
+        state = {s.step.name: s.state for s in statuses(ablation.root / run.name, steps, store=store)}
+        per_run.append((run, steps, ids, state))
+        names += [s.name for s in steps if s.name not in names]
+        for step in steps:
+            users.setdefault((step.name, ids[step.name]), []).append(run.name)
+    width = max(9, *(len(r.name) for r in ablation.runs)) + 2
+    lines = [
+        f"ablation {ablation.cfg.name}: {len(ablation.runs)} runs of {ablation.base} in {ablation.root}, "
+        f"stages {', '.join(stages_of(ablation))} + evaluate",
+        *(f"  {r.name}: {' '.join(r.overrides) or '(the base recipe)'}" for r in ablation.runs),
+        "",
+        f"{'step':<24}" + "".join(f"{r.name:<{width}}" for r in ablation.runs),
+    ]
+    seen: set[tuple[str, str]] = set()
+    cells: dict[str, list[str]] = {n: [] for n in names}
+    builds = 0
+    for _, steps, ids, state in per_run:
+        for step in steps:
+            key = (step.name, ids[step.name])
+            cell = "cached" if state[step.name] == "cached" else "shared" if key in seen else "build"
+            builds += cell == "build"
+            seen.add(key)
+            cells[step.name].append(cell + ("*" if len(users[key]) > 1 else ""))
+    lines += [f"{n:<24}" + "".join(f"{c:<{width}}" for c in cells[n]) for n in names]
+    uses, distinct = sum(len(u) for u in users.values()), len(users)
+    lines += [
+        "(* the step is the same in several runs: built once, linked into each)",
+        f"{uses} steps in all runs, {distinct} distinct: sharing saves {uses - distinct} builds; {builds} to build now, "
+        f"{distinct - builds} cached in {store}.",
+    ]
+    saved, total = _pretraining_tokens(per_run, users)
+    if total:
+        lines.append(f"Pretraining tokens: {total - saved:,} to train instead of {total:,} for independent runs.")
+    return lines
+
+
+def _pretraining_tokens(per_run, users) -> tuple[int, int]:
+    """(tokens sharing saves, tokens independent runs would train)."""
+    saved = total = 0
+    seen = set()
+    for _, steps, ids, _ in per_run:
+        for step in steps:
+            if step.checkpoints:
+                train = step.config.train
+                tokens = train.schedule.steps * train.batch_size * train.seq_len
+                total += tokens
+                saved += tokens if (step.name, ids[step.name]) in seen else 0
+                seen.add((step.name, ids[step.name]))
+    return saved, total
+
+
+@flow(name="ablation")
+def ablation_flow(ablation: str, run_dir: str | None = None) -> str:
+    """Run every variant x seed of the ablation file ABLATION, each distinct step built once, then write
+    the comparison report; returns its path. Runs go `concurrency` at a time (default: one after another)."""
+    log = get_run_logger()
+    abl = open_ablation(ablation, run_dir)
+    prepare(abl)
+    for line in explain(abl):
+        log.info(line)
+    until = abl.cfg.until
+    started = time.time()
+
+    def one(run) -> dict[str, str]:
+        named = full_pipeline.with_options(flow_run_name=f"{abl.cfg.name}/{run.name}")
+        return named(str(abl.base), str(abl.root / run.name), list(run.overrides), until)
+
+    if abl.cfg.concurrency == 1:
+        for run in abl.runs:
+            one(run)
+    else:  # each thread runs its subflow in its own copy of this flow run's context
+        with ThreadPoolExecutor(abl.cfg.concurrency) as pool:
+            futures = [pool.submit(contextvars.copy_context().run, one, run) for run in abl.runs]
+            for future in futures:
+                future.result()
+    seconds = round(time.time() - started, 1)
+    _record_wall_time(abl, seconds)
+    log.info("ablation %s: %d runs in %.0f s", abl.cfg.name, len(abl.runs), seconds)
+    return str(report(abl))
+
+
+def _record_wall_time(abl: Ablation, seconds: float) -> None:
+    path = abl.root / "ablation.json"
+    data = json.loads(path.read_text())
+    data.setdefault("wall_seconds", []).append(seconds)
+    write_json_atomic(path, data)
+
+
+def report(abl: Ablation) -> Path:
+    """The comparison report of the ablation as its run dirs hold it now."""
+    stages = set(stages_of(abl))
+    runs = []
+    for run in abl.runs:
+        steps = [s for s in build_graph(run.recipe).steps if s.stage in stages]
+        runs.append(AblationRunDir(run.name, run.variant, abl.root / run.name, steps))
+    data = json.loads((abl.root / "ablation.json").read_text())
+    return publish_comparison(abl.cfg.name, abl.root, runs, abl.baseline, data.get("wall_seconds", []))

@@ -1,0 +1,135 @@
+"""Ablations: a base recipe and variants that differ in a few keys, each run with one or more seeds.
+
+An ablation file is small YAML:
+
+    name: apo_vs_dpo
+    base: ../tiny.yaml            # relative to this file
+    set: []                       # overrides every variant shares (a proxy scale-down)
+    until: apo                    # the last stage the variants need (then evaluate)
+    seeds: 3                      # runs per variant, `seed_key` = its value + 0, 1, 2
+    seed_key: postrain.apo.seed
+    variants:
+      - {name: apo, set: ["postrain.apo.loss_type=[apo_zero, sft]"]}
+      - {name: dpo, set: ["postrain.apo.loss_type=[sigmoid, sft]"]}
+
+Every run's recipe is resolved and validated here, before anything runs, so a bad override names
+the variant and the key. Variants may not change `evaluation`: one evaluation compares them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError, model_validator
+
+from infra.recipe import Recipe, RecipeError, Strict, format_validation_error, load_recipe, operational, read_yaml, recipe_dump
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+
+class VariantCfg(Strict):
+    name: str = Field(pattern=_NAME)
+    set: list[str] = []
+
+
+class AblationCfg(Strict):
+    name: str = Field(pattern=_NAME)
+    base: str = Field(description="the base recipe, relative to the ablation file")
+    description: str = ""
+    set: list[str] = Field([], description="overrides all variants share, applied before each variant's own")
+    variants: list[VariantCfg] = Field(min_length=2)
+    baseline: str | None = Field(None, description="the variant the others are compared with; default: the first")
+    seeds: int = Field(1, ge=1, le=20)
+    seed_key: str = Field("seed", description="the integer recipe key the seeds vary")
+    until: str | None = Field(None, description="the last stage the variants run (evaluation follows); default: all")
+    concurrency: int = operational(1, ge=1, description="runs at once (they share the machine's cores)")
+    run_dir: str | None = Field(None, description="default: runs/ablations/NAME")
+
+    @model_validator(mode="after")
+    def _variants(self) -> AblationCfg:
+        names = [v.name for v in self.variants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"variant names repeat: {names}")
+        if self.baseline is not None and self.baseline not in names:
+            raise ValueError(f"baseline {self.baseline!r} is not a variant ({', '.join(names)})")
+        return self
+
+
+@dataclass(frozen=True)
+class AblationRun:
+    """One run of an ablation: a variant with one seed, its own run dir and fully resolved recipe."""
+
+    name: str  # the run dir's name: the variant, or VARIANT-seedK
+    variant: str
+    seed: int  # the value of seed_key
+    overrides: tuple[str, ...]  # applied to the base recipe, in order
+    recipe: Recipe
+
+
+@dataclass(frozen=True)
+class Ablation:
+    cfg: AblationCfg
+    path: Path  # the ablation file
+    base: Path  # the base recipe
+    root: Path  # the ablation's folder: one run dir per run, the shared step store, the report
+    runs: list[AblationRun]
+
+    @property
+    def baseline(self) -> str:
+        return self.cfg.baseline or self.cfg.variants[0].name
+
+
+def load_ablation(path: str | Path, run_dir: str | None = None) -> Ablation:
+    """Read and validate an ablation file and every run's recipe; errors name the file, variant and key."""
+    path = Path(path)
+    data = read_yaml(path, "ablation")
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: an ablation is a YAML mapping, got {type(data).__name__}")
+    try:
+        cfg = AblationCfg.model_validate(data)
+    except ValidationError as err:
+        raise RecipeError(format_validation_error(err, str(path), "ablation")) from None
+    base = (path.parent / cfg.base).resolve()
+    try:
+        shared = load_recipe(base, cfg.set)
+    except RecipeError as err:
+        raise RecipeError(f"{path}: base recipe with the shared overrides (`set`): {err}") from None
+    first = _seed_value(shared, cfg.seed_key, path)
+    runs = []
+    for variant in cfg.variants:
+        for assignment in variant.set:
+            if assignment.partition("=")[0].split(".")[0] == "evaluation":
+                raise RecipeError(
+                    f"{path}: variant {variant.name}: {assignment.partition('=')[0]}: variants share one evaluation "
+                    "(put evaluation changes in the ablation's `set`)"
+                )
+        for k in range(cfg.seeds):
+            seed = first + k
+            overrides = (*cfg.set, *variant.set, *([f"{cfg.seed_key}={seed}"] if cfg.seeds > 1 else []))
+            try:
+                recipe = load_recipe(base, list(overrides))
+            except RecipeError as err:
+                raise RecipeError(f"{path}: variant {variant.name}: {err}") from None
+            name = variant.name if cfg.seeds == 1 else f"{variant.name}-seed{k}"
+            runs.append(AblationRun(name, variant.name, seed, overrides, recipe))
+    root = Path(run_dir or cfg.run_dir or Path("runs") / "ablations" / cfg.name)
+    return Ablation(cfg, path, base, root, runs)
+
+
+def _seed_value(recipe: Recipe, key: str, path: Path) -> int:
+    """The value of `key` in the recipe (an unset per-step seed falls back to the recipe's seed)."""
+    node: Any = recipe_dump(recipe)
+    for part in key.split("."):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise RecipeError(f"{path}: seed_key {key}: the recipe has no such key")
+    if node is None:
+        return recipe.seed
+    if not isinstance(node, int) or isinstance(node, bool):
+        raise RecipeError(f"{path}: seed_key {key}: not an integer key (its value is {node!r})")
+    return node

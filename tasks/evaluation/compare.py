@@ -1,0 +1,333 @@
+"""The comparison report of an ablation: each variant's scores with standard errors, the difference from
+the baseline variant with a 95% interval, loss curves overlaid, cost and what was shared.
+
+Everything is read from the runs' dirs (step manifests, metrics, the shared evaluation results),
+so it can be rebuilt at any time. A variant's score is the mean over its seeds; its standard
+error combines the spread across seeds (s/sqrt(n), when n > 1) with the item-sampling error lm-eval
+reports (or, for the held-out prompts, the binomial one, Agresti-Coull), averaged over seeds and divided by
+sqrt(n). A difference's interval is diff +- 1.96 sqrt(SE_a^2 + SE_b^2); it ignores that the variants
+answer the same items, so it is wider than a paired test would be: a difference called "within
+noise" here may still be real, one called significant is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infra.steps import Step, StepOutput, finished
+from infra.storage import write_json_atomic
+from tasks.common import run_logger
+from tasks.evaluation.results import ResultStore, local_fingerprint, main_metric, stderr_of
+
+LOWER_IS_BETTER = ("bits_per_byte", "loss")
+
+
+@dataclass(frozen=True)
+class AblationRunDir:
+    name: str
+    variant: str
+    run_dir: Path
+    steps: list[Step]  # the steps it ran, upstream first
+
+
+@dataclass
+class Score:
+    """One metric of one model of one run, with its standard error."""
+
+    value: float
+    stderr: float | None
+
+
+@dataclass
+class Row:
+    """One metric compared across variants: model label, task (or `held-out`), metric name."""
+
+    model: str
+    task: str
+    metric: str
+    scores: dict[str, list[Score]] = field(default_factory=lambda: defaultdict(list))  # variant -> one per seed
+
+    def summary(self, variant: str) -> tuple[float, float | None]:
+        scores = self.scores[variant]
+        values = [s.value for s in scores]
+        mean = statistics.fmean(values)
+        errs = [s.stderr for s in scores if s.stderr is not None]
+        var = (statistics.variance(values) / len(values)) if len(values) > 1 else 0.0
+        if errs:
+            var += statistics.fmean(e * e for e in errs) / len(values)
+        elif len(values) == 1:
+            return mean, None
+        return mean, math.sqrt(var)
+
+
+def _models(run: AblationRunDir) -> dict[str, tuple[str, StepOutput]]:
+    """label -> (content fingerprint, step output) of each finished model of the run."""
+    out = {}
+    for step in run.steps:
+        if step.model and (o := finished(run.run_dir, step.name)) and (o.path / "final").is_dir():
+            out[step.model] = (local_fingerprint(o.path / "final"), o)
+    return out
+
+
+def _rows(runs: list[AblationRunDir]) -> tuple[list[Row], list[str]]:
+    """Rows for every metric of every model that differs between runs; and the labels of models identical in all."""
+    models = {r.name: _models(r) for r in runs}
+    labels = [label for label in models[runs[0].name] if all(label in m for m in models.values())]
+    identical = [label for label in labels if len({models[r.name][label][0] for r in runs}) == 1]
+    rows: dict[tuple[str, str, str], Row] = {}
+    for run in runs:
+        results = ResultStore(str(run.run_dir / "evals" / "results"))
+        for label in labels:
+            if label in identical:
+                continue
+            fp, output = models[run.name][label]
+            if "eval" in output.summary:
+                p, n = output.summary["eval"]["accuracy"], output.summary["eval"].get("items")
+                se = _binomial_stderr(p, n) if n else None
+                rows.setdefault((label, "held-out", "accuracy"), Row(label, "held-out", "accuracy")).scores[run.variant].append(
+                    Score(p, se)
+                )
+            record = results.get(fp) or {"tasks": {}}
+            for task, entry in sorted(record["tasks"].items()):
+                if main := main_metric(entry["metrics"]):
+                    key, value = main
+                    row = rows.setdefault((label, task, key), Row(label, task, key))
+                    row.scores[run.variant].append(Score(value, stderr_of(entry["metrics"], key)))
+    variants = list(dict.fromkeys(r.variant for r in runs))
+    complete = [row for row in rows.values() if all(row.scores.get(v) for v in variants)]
+    return complete, identical
+
+
+def _binomial_stderr(p: float, n: int) -> float:
+    """Agresti-Coull: unlike sqrt(p(1-p)/n) it is not 0 when no (or every) prompt is answered right."""
+    adjusted = (p * n + 2) / (n + 4)
+    return math.sqrt(adjusted * (1 - adjusted) / (n + 4))
+
+
+def compare_rows(rows: list[Row], variants: list[str], baseline: str) -> list[dict[str, Any]]:
+    """One table row per (metric, variant): mean, SE, seeds, difference from the baseline with its 95% interval."""
+    table = []
+    for row in rows:
+        base_mean, base_se = row.summary(baseline)
+        for variant in variants:
+            mean, se = row.summary(variant)
+            entry = {
+                "model": row.model,
+                "task": row.task,
+                "metric": row.metric,
+                "variant": variant,
+                "seeds": len(row.scores[variant]),
+                "mean": round(mean, 4),
+                "stderr": None if se is None else round(se, 4),
+            }
+            if variant != baseline:
+                diff = mean - base_mean
+                entry["diff"] = round(diff, 4)
+                if se is not None and base_se is not None:
+                    half = 1.96 * math.sqrt(se * se + base_se * base_se)
+                    entry["ci95"] = [round(diff - half, 4), round(diff + half, 4)]
+                    better = (diff < 0) if row.metric in LOWER_IS_BETTER else (diff > 0)
+                    entry["verdict"] = "within noise" if diff - half <= 0 <= diff + half else ("better" if better else "worse")
+                else:
+                    entry["verdict"] = "no error estimate"
+            table.append(entry)
+    return table
+
+
+def _curves(run: AblationRunDir, step: Step) -> tuple[str, list[tuple[float, float]]]:
+    """The training curve of a step: pretraining loss vs tokens, TRL loss (or GRPO reward) vs step."""
+    output = finished(run.run_dir, step.name)
+    if output is None:
+        return "", []
+    if step.checkpoints:
+        path = output.path / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+        return "loss vs tokens", [(r["tokens"], r["loss"]) for r in rows]
+    for key in ("loss", "reward"):
+        if output.summary.get(key):
+            return f"{key} vs step", [tuple(x) for x in output.summary[key]]
+    return "", []
+
+
+def _cost(runs: list[AblationRunDir]) -> tuple[list[dict[str, Any]], float, float]:
+    """Per run: seconds of its steps as if run alone, tokens pretrained; and the seconds of distinct steps."""
+    rows, distinct = [], {}
+    for run in runs:
+        seconds = tokens = shared = 0.0
+        for step in run.steps:
+            out = finished(run.run_dir, step.name)
+            if out is None:
+                continue
+            seconds += out.seconds
+            distinct[out.step_id] = out.seconds
+            tokens += out.summary.get("tokens", 0) if step.checkpoints else 0
+            users = sum(1 for r in runs if (o := finished(r.run_dir, step.name)) and o.step_id == out.step_id)
+            shared += out.seconds if users > 1 else 0
+        rows.append(
+            {
+                "run": run.name,
+                "variant": run.variant,
+                "step_seconds": round(seconds),
+                "shared_seconds": round(shared),
+                "tokens": int(tokens),
+            }
+        )
+    return rows, sum(r["step_seconds"] for r in rows), sum(distinct.values())
+
+
+def publish_comparison(name: str, root: Path, runs: list[AblationRunDir], baseline: str, wall_seconds: list[float]) -> Path:
+    """Write ROOT/report/ablation.md (+ PNGs, + JSON) and publish it as Prefect artifacts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = root / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    variants = list(dict.fromkeys(r.variant for r in runs))
+    rows, identical = _rows(runs)
+    table = compare_rows(rows, variants, baseline)
+    lines = [
+        f"# Ablation: {name}",
+        "",
+        f"Built {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} from `{root}`. Baseline: **{baseline}**.",
+        "",
+    ]
+    lines += ["| run | variant |", "|---|---|"] + [f"| {r.name} | {r.variant} |" for r in runs] + [""]
+
+    # steps shared by all runs, and those that differ
+    shared, differ = [], []
+    for step in runs[0].steps:
+        ids = {o.step_id for r in runs if (o := finished(r.run_dir, step.name))}
+        (shared if len(ids) == 1 else differ).append(f"{step.name} ({len(ids)} versions)" if len(ids) > 1 else step.name)
+    lines += ["## What was shared", "", f"Built once for all runs: {', '.join(shared) or 'nothing'}.", ""]
+    lines += [f"Built per variant or seed: {', '.join(differ) or 'nothing'}.", ""]
+    if identical:
+        lines += [f"Models identical in every run (not compared): {', '.join(identical)}.", ""]
+
+    # scores
+    lines += ["## Results", ""]
+    if not table:
+        lines += ["_no evaluation results that differ between variants yet_", ""]
+    else:
+        lines += [
+            "| model | task | metric | variant | seeds | score ± SE | diff vs baseline [95% interval] | verdict |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for e in table:
+            se = f" ± {e['stderr']:.4f}" if e["stderr"] is not None else ""
+            diff = (
+                f"{e['diff']:+.4f}" + (f" [{e['ci95'][0]:+.4f}, {e['ci95'][1]:+.4f}]" if "ci95" in e else "") if "diff" in e else "baseline"
+            )
+            what = f"{e['model']} | {e['task']} | {e['metric']} | {e['variant']} | {e['seeds']}"
+            lines.append(f"| {what} | {e['mean']:.4f}{se} | {diff} | {e.get('verdict', '')} |")
+        lines += ["", *_conclusion(table), ""]
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
+        width = 0.8 / len(variants)
+        for i, variant in enumerate(variants):
+            stats = [row.summary(variant) for row in rows]
+            ax.bar(
+                [j + i * width for j in range(len(rows))],
+                [m for m, _ in stats],
+                width,
+                yerr=[1.96 * (s or 0) for _, s in stats],
+                capsize=3,
+                label=variant,
+            )
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [f"{r.model}\n{r.task}\n{r.metric}" for r in rows], fontsize=7)
+        ax.set(title="Score per variant (bars: 95% interval of the mean)")
+        ax.legend()
+        lines += [f"![scores]({_save(fig, out / 'scores.png').name})", ""]
+
+    # training curves of the steps that differ
+    curves = [s for s in runs[0].steps if any(d.startswith(s.name + " (") for d in differ) and _curves(runs[0], s)[1]]
+    if curves:
+        fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.5), squeeze=False)
+        colors = {v: f"C{i}" for i, v in enumerate(variants)}
+        for ax, step in zip(axes[0], curves, strict=True):
+            for run in runs:
+                what, points = _curves(run, step)
+                if points:
+                    ax.plot([x for x, _ in points], [y for _, y in points], color=colors[run.variant], alpha=0.8, label=run.name)
+            ax.set(title=f"{step.name}: {what}")
+            ax.legend(fontsize=7)
+        lines += ["## Training curves (steps that differ)", "", f"![curves]({_save(fig, out / 'curves.png').name})", ""]
+
+    # cost
+    cost, alone, distinct = _cost(runs)
+    lines += [
+        "## Cost",
+        "",
+        "| run | variant | step seconds (as if alone) | of which shared | pretraining tokens |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {c['run']} | {c['variant']} | {c['step_seconds']} | {c['shared_seconds']} | {c['tokens']:,} |" for c in cost]
+    lines += [
+        "",
+        f"Independent runs would build {alone:,.0f} s of steps; the ablation built {distinct:,.0f} s of distinct steps "
+        f"({alone / max(distinct, 1):.2f}x less)." + _wall(wall_seconds),
+        "",
+    ]
+    markdown = "\n".join(lines) + "\n"
+    path = out / "ablation.md"
+    tmp = path.with_name(".ablation.md.tmp")
+    tmp.write_text(markdown)
+    tmp.replace(path)
+    write_json_atomic(
+        out / "ablation.json",
+        {"rows": table, "shared": shared, "differ": differ, "cost": cost, "alone_seconds": alone, "distinct_seconds": distinct},
+    )
+    _artifacts(name, markdown, table)
+    run_logger().info("ablation report: %s", path.resolve())
+    return path
+
+
+def _wall(seconds: list[float]) -> str:
+    if not seconds:
+        return ""
+    reruns = f" (then {', '.join(f'{s:,.0f} s' for s in seconds[1:])} for reruns)" if len(seconds) > 1 else ""
+    return f" Wall time of `smolflow ablate`: {seconds[0]:,.0f} s{reruns}."
+
+
+def _conclusion(table: list[dict[str, Any]]) -> list[str]:
+    """Plain sentences: which differences are outside noise, and that the rest are not."""
+    found = [e for e in table if e.get("verdict") in ("better", "worse")]
+    lines = [
+        f"- **{e['variant']}** is {e['verdict']} than the baseline on {e['model']} {e['task']} {e['metric']} "
+        f"({e['diff']:+.4f}, 95% interval [{e['ci95'][0]:+.4f}, {e['ci95'][1]:+.4f}])."
+        for e in found
+    ]
+    noise = sum(1 for e in table if e.get("verdict") == "within noise")
+    if noise:
+        lines.append(
+            f"- {noise} difference(s) are within noise: the interval includes 0; more seeds or eval items would be needed to tell."
+        )
+    return ["**Conclusion**", "", *lines] if lines else ["**Conclusion**: no difference could be estimated."]
+
+
+def _artifacts(name: str, markdown: str, table: list[dict[str, Any]]) -> None:
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.context import FlowRunContext
+
+    if FlowRunContext.get() is None:  # rebuilt outside a flow run (`smolflow ablate --report`)
+        return
+    key = f"{name}-ablation".replace("_", "-").lower()
+    create_markdown_artifact(markdown, key=key, description=f"Ablation {name}")
+    if table:
+        create_table_artifact([{k: str(v) for k, v in e.items()} for e in table], key=f"{key}-results", description="Scores per variant")
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

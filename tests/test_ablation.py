@@ -1,0 +1,151 @@
+"""Ablations: variants validated before anything runs, shared steps built once (also when variants
+run at once), a rerun builds nothing, and a report with intervals for every variant."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra.recipe import RecipeError
+from tests.helpers import REPO, micro_recipe, write_recipe
+
+# post-training small enough for a test; checkpoints evaluated on one cloze task, models on one generative one
+FAST = {
+    "pretrain.checkpoint.every_steps": 1000,
+    "postrain.data.generated": 300,
+    "postrain.data.heldout": 20,
+    "postrain.sft.max_steps": 20,
+    "postrain.sft.weak_checkpoint_step": 5,
+    "postrain.sft.logging_steps": 5,
+    "evaluation.checkpoint_tasks": ["smol_arithmetic_cf"],
+    "evaluation.limit": 8,
+}
+
+
+def ablation_file(tmp_path: Path, variants: list[dict], file: str = "ablation.yaml", **extra) -> Path:
+    base = write_recipe(tmp_path / "micro.yaml", micro_recipe(**FAST))
+    spec = {"name": "apo_vs_dpo", "base": base.name, "until": "apo", "variants": variants, **extra}
+    path = tmp_path / file
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+APO_VS_DPO = [
+    {"name": "apo", "set": ["postrain.apo.loss_type=[apo_zero, sft]"]},
+    {"name": "dpo", "set": ["postrain.apo.loss_type=[sigmoid, sft]"]},
+]
+
+
+def test_a_bad_override_names_the_variant_and_the_key(tmp_path):
+    from flows.ablation import open_ablation
+
+    bad = ablation_file(tmp_path, [APO_VS_DPO[0], {"name": "dpo", "set": ["postrain.apo.loss_typo=[sigmoid]"]}])
+    with pytest.raises(RecipeError, match=r"(?s)variant dpo: .*postrain\.apo\.loss_typo: unknown key"):
+        open_ablation(str(bad))
+    wrong_type = ablation_file(tmp_path, [APO_VS_DPO[0], {"name": "slow", "set": ["postrain.apo.max_steps=-3"]}], "b.yaml")
+    with pytest.raises(RecipeError, match=r"(?s)variant slow: .*postrain\.apo\.max_steps"):
+        open_ablation(str(wrong_type))
+    evals = ablation_file(tmp_path, [APO_VS_DPO[0], {"name": "lenient", "set": ["evaluation.limit=100"]}], "c.yaml")
+    with pytest.raises(RecipeError, match="variant lenient: evaluation.limit: variants share one evaluation"):
+        open_ablation(str(evals))
+    seeds = ablation_file(tmp_path, APO_VS_DPO, "d.yaml", seeds=2, seed_key="postrain.apo.beta")
+    with pytest.raises(RecipeError, match=r"seed_key postrain\.apo\.beta: not an integer key"):
+        open_ablation(str(seeds))
+    # the CLI says it in one line, before any Prefect server starts, and runs nothing
+    out = subprocess.run([str(Path(sys.executable).parent / "smolflow"), "ablate", str(bad)], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2 and "variant dpo" in out.stderr and "Traceback" not in out.stderr
+    assert not (REPO / "runs" / "ablations" / "apo_vs_dpo" / "dpo").exists()
+
+
+def test_dry_run_shows_what_is_shared_and_what_each_seed_builds(tmp_path):
+    from flows.ablation import explain, open_ablation
+
+    abl = open_ablation(str(ablation_file(tmp_path, APO_VS_DPO, seeds=2, seed_key="postrain.apo.seed")), str(tmp_path / "abl"))
+    assert [r.name for r in abl.runs] == ["apo-seed0", "apo-seed1", "dpo-seed0", "dpo-seed1"]
+    assert [r.seed for r in abl.runs] == [1234, 1235, 1234, 1235]  # unset per-step seed: the recipe's, then +1
+    table = {line.split()[0]: line.split()[1:] for line in explain(abl) if line.split() and line.split()[0] in ("sft", "apo")}
+    assert table["sft"] == ["build*", "shared*", "shared*", "shared*"]  # SFT is the same in every run
+    assert table["apo"] == ["build", "build", "build", "build"]  # APO differs by variant and by seed
+    assert any("64 steps in all runs, 19 distinct: sharing saves 45 builds" in line for line in explain(abl))
+
+
+# two SFT learning rates: curation, pretraining and the chat data are shared, SFT is built per variant
+SFT_LR = [{"name": "slow", "set": ["postrain.sft.learning_rate=0.002"]}, {"name": "fast", "set": ["postrain.sft.learning_rate=0.005"]}]
+
+
+@pytest.mark.slow
+def test_two_variants_at_once_build_each_shared_step_once_and_compare_with_intervals(tmp_path, prefect_server):
+    from flows.ablation import ablation_flow
+    from flows.graph import build_graph
+    from flows.pipeline import source_recipe
+    from tasks.evaluation.report import build_report
+
+    path = ablation_file(tmp_path, SFT_LR, until="sft", concurrency=2)  # both variants run at the same time
+    root = tmp_path / "abl"
+    report = Path(ablation_flow(str(path), str(root)))
+
+    builds = [json.loads(line) for line in (root / "steps" / "builds.jsonl").read_text().splitlines()]
+    folders = [b["folder"] for b in builds]
+    assert len(folders) == len(set(folders))  # no store folder was built twice
+    built = sorted(f.rsplit("-", 1)[0] for f in folders)
+    shared = ["chat_data", "corpus", "decontaminate", "dedup", "filter", "ingest", "mixtures"]
+    shared += ["pretrain_long_context", "pretrain_phase1", "pretrain_phase2", "pretrain_phase3", "tokenize", "tokenizer"]
+    assert built == sorted(shared + ["sft", "sft"])  # each shared step once, SFT once per variant
+    for name in shared:  # both run dirs link the same store folder
+        assert (root / "slow" / name).resolve() == (root / "fast" / name).resolve()
+    assert (root / "slow" / "sft").resolve() != (root / "fast" / "sft").resolve()
+    lrs = {v: json.loads((root / v / "sft" / "manifest.json").read_text())["config"]["sft"]["learning_rate"] for v in ("slow", "fast")}
+    assert lrs == {"slow": 0.002, "fast": 0.005}
+    assert not (root / "steps" / ".previous").exists()
+
+    # shared models are scored once: one result file per distinct model in the shared result store
+    results = [json.loads(p.read_text()) for p in (root / "evals" / "results").glob("*.json")]
+    assert len({r["fingerprint"] for r in results}) == len(results)
+    labels = [r["model"]["label"] for r in results]
+    assert labels.count("base") == 1 and labels.count("sft") == 2
+    # each run's report card lists its own SFT model's results (2 tasks), not the other variant's
+    for variant in ("slow", "fast"):
+        card = build_report(root / variant, variant, build_graph(source_recipe(str(root / variant), None)).steps)
+        assert sorted(r["task"] for r in card.eval_rows if r["model"] == "sft") == ["smol_arithmetic_cf", "smol_arithmetic_gen"]
+
+    data = json.loads((root / "report" / "ablation.json").read_text())
+    rows = [r for r in data["rows"] if r["model"] == "sft"]
+    assert {r["variant"] for r in rows} == {"slow", "fast"}
+    compared = [r for r in rows if r["variant"] == "fast"]
+    assert compared and all("ci95" in r and r["ci95"][0] <= r["diff"] <= r["ci95"][1] for r in compared)
+    assert {"held-out", "smol_arithmetic_gen"} <= {r["task"] for r in compared}
+    assert "pretrain_phase1" in data["shared"] and "sft (2 versions)" in data["differ"]
+    text = report.read_text()
+    assert "Baseline: **slow**" in text and "95% interval" in text and (root / "report" / "scores.png").is_file()
+    assert (root / "report" / "curves.png").is_file()  # the SFT loss curves of both variants
+    assert data["alone_seconds"] > data["distinct_seconds"] > 0
+
+    # a rerun builds nothing
+    ablation_flow(str(path), str(root))
+    assert len((root / "steps" / "builds.jsonl").read_text().splitlines()) == len(builds)
+    assert len(json.loads((root / "ablation.json").read_text())["wall_seconds"]) == 2  # the full build, then the rerun
+
+
+def test_scores_are_averaged_over_seeds_and_differences_called_noise_when_the_interval_holds_zero():
+    from tasks.evaluation.compare import Row, Score, compare_rows
+
+    row = Row("apo", "held-out", "accuracy")
+    row.scores["a"] += [Score(0.50, 0.02), Score(0.54, 0.02)]
+    row.scores["b"] += [Score(0.70, 0.02), Score(0.74, 0.02)]
+    mean, se = row.summary("a")
+    assert mean == pytest.approx(0.52) and se == pytest.approx((0.0008 / 2 + 0.0004 / 2) ** 0.5)
+    far = {e["variant"]: e for e in compare_rows([row], ["a", "b"], "a")}
+    assert far["b"]["diff"] == pytest.approx(0.2) and far["b"]["verdict"] == "better" and far["b"]["ci95"][0] > 0
+    close = Row("apo", "held-out", "accuracy")
+    close.scores["a"].append(Score(0.50, 0.05))
+    close.scores["b"].append(Score(0.55, 0.05))
+    assert compare_rows([close], ["a", "b"], "a")[1]["verdict"] == "within noise"
+    ppl = Row("base", "smol_ppl_code", "bits_per_byte")
+    ppl.scores["a"].append(Score(2.0, 0.01))
+    ppl.scores["b"].append(Score(1.5, 0.01))
+    assert compare_rows([ppl], ["a", "b"], "a")[1]["verdict"] == "better"  # lower bits per byte is better
