@@ -126,6 +126,7 @@ def compare_rows(rows: list[Row], variants: list[str], baseline: str) -> list[di
                 "seeds": len(row.scores[variant]),
                 "mean": round(mean, 4),
                 "stderr": None if se is None else round(se, 4),
+                "seeds_only": all(s.stderr is None for s in row.scores[variant]),  # no item-sampling error known
             }
             if variant != baseline:
                 diff = mean - base_mean
@@ -222,28 +223,31 @@ def publish_comparison(name: str, root: Path, runs: list[AblationRunDir], baseli
             "|---|---|---|---|---|---|---|---|",
         ]
         for e in table:
-            se = f" ± {e['stderr']:.4f}" if e["stderr"] is not None else ""
+            se = f" ± {e['stderr']:.4f}{' †' if e['seeds_only'] else ''}" if e["stderr"] is not None else ""
             diff = (
                 f"{e['diff']:+.4f}" + (f" [{e['ci95'][0]:+.4f}, {e['ci95'][1]:+.4f}]" if "ci95" in e else "") if "diff" in e else "baseline"
             )
             what = f"{e['model']} | {e['task']} | {e['metric']} | {e['variant']} | {e['seeds']}"
             lines.append(f"| {what} | {e['mean']:.4f}{se} | {diff} | {e.get('verdict', '')} |")
+        if any(e["seeds_only"] and e["stderr"] is not None for e in table):
+            lines += ["", "† spread over seeds only: lm-eval gives no standard error for this metric, so item sampling is not in it."]
         lines += ["", *_conclusion(table), ""]
-        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
-        width = 0.8 / len(variants)
-        for i, variant in enumerate(variants):
-            stats = [row.summary(variant) for row in rows]
-            ax.bar(
-                [j + i * width for j in range(len(rows))],
-                [m for m, _ in stats],
-                width,
-                yerr=[1.96 * (s or 0) for _, s in stats],
-                capsize=3,
-                label=variant,
-            )
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [f"{r.model}\n{r.task}\n{r.metric}" for r in rows], fontsize=7)
-        ax.set(title="Score per variant (bars: 95% interval of the mean)")
-        ax.legend()
+        # a forest plot: each variant's difference from the baseline with its 95% interval, one line per metric
+        diffs = [e for e in table if "diff" in e]
+        fig, ax = plt.subplots(figsize=(9, 0.35 * len(diffs) + 1.5))
+        for i, e in enumerate(diffs):
+            low, high = e.get("ci95", [e["diff"], e["diff"]])
+            color = {"better": "C2", "worse": "C3"}.get(e.get("verdict"), "grey")
+            ax.errorbar(e["diff"], i, xerr=[[e["diff"] - low], [high - e["diff"]]], fmt="o", color=color, capsize=3)
+        ax.axvline(0, color="black", linewidth=0.8)
+        labels = [f"{e['variant']}: {e['model']} {e['task'].removeprefix('smol_')} ({e['metric'].split('/')[0]})" for e in diffs]
+        ax.set_yticks(
+            range(len(diffs)),
+            labels,
+            fontsize=7,
+        )
+        ax.invert_yaxis()
+        ax.set(title=f"Difference from {baseline}, 95% interval", xlabel="green: better, red: worse, grey: within noise")
         lines += [f"![scores]({_save(fig, out / 'scores.png').name})", ""]
 
     # training curves of the steps that differ
