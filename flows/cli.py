@@ -22,7 +22,7 @@ app = typer.Typer(
 )
 
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML, e.g. configs/tiny.yaml.", show_default=False)]
-RunDirOpt = Annotated[str | None, typer.Option("--run-dir", help="Folder for every step's outputs [default: runs/<recipe name>].")]
+RunDirOpt = Annotated[str | None, typer.Option("--run-dir", help="Folder for every step's outputs (default: runs/<recipe name>).")]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override a recipe key, e.g. --set curate.strict=true (repeatable; value is YAML)."),
@@ -196,7 +196,7 @@ def stage(
 @app.command()
 def ablate(
     ablation: Annotated[Path, typer.Argument(help="Ablation file, e.g. configs/ablations/apo_vs_dpo.yaml.", show_default=False)],
-    run_dir: Annotated[str | None, typer.Option("--run-dir", help="Folder of the ablation [default: runs/ablations/<name>].")] = None,
+    run_dir: Annotated[str | None, typer.Option("--run-dir", help="Folder of the ablation (default: runs/ablations/<name>).")] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Per run, which steps are cached, built, or shared with other runs; run nothing.")
     ] = False,
@@ -204,10 +204,9 @@ def ablate(
 ) -> None:
     """Run the variants of an ablation side by side, each step they share built once, and compare them.
 
-    An ablation file names a base recipe and variants (a name + `--set` overrides each), optionally seeds
-    per variant; every run gets a run dir under the ablation's folder, and the report
-    (report/ablation.md) gives each variant's scores with standard errors and the difference from the
-    baseline variant with a 95% interval."""
+    An ablation file names a base recipe and variants (a name + `--set` overrides each), and seeds per variant.
+    Each variant x seed is a run dir under the ablation's folder; steps with the same identity are built once.
+    report/ablation.md gives each variant's scores ± standard error and the difference from the baseline with a 95% interval."""
     from flows.ablation import ablation_flow, explain, open_ablation
     from flows.ablation import report as ablation_report
 
@@ -225,7 +224,7 @@ def ablate(
 @app.command()
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run dir, e.g. runs/tiny.", show_default=False)],
-    recipe: Annotated[Path | None, typer.Option(help="Recipe of the run [default: the run dir's recipe.json].")] = None,
+    recipe: Annotated[Path | None, typer.Option(help="Recipe of the run (default: the run dir's recipe.json).")] = None,
 ) -> None:
     """Rebuild the run's report card (RUN_DIR/reports/card.md and its PNG plots) from what the run dir holds."""
     from flows.graph import build_graph
@@ -245,7 +244,7 @@ def report(
 @app.command("eval")
 def eval_cmd(
     source: Annotated[str, typer.Argument(help="A run dir or an s3:// prefix of mirrored checkpoints.", show_default=False)],
-    recipe: Annotated[Path | None, typer.Option(help="Recipe of the run [default: the source's recipe.json].")] = None,
+    recipe: Annotated[Path | None, typer.Option(help="Recipe of the run (default: the source's recipe.json).")] = None,
 ) -> None:
     """Evaluate every checkpoint and model under SOURCE that has no results yet (what the scheduled-eval flow runs)."""
     from flows.pipeline import scheduled_eval_flow
@@ -263,7 +262,7 @@ app.add_typer(server_app, name="server")
 
 @server_app.command("start")
 def server_start(
-    port: Annotated[int | None, typer.Option(help="Port [default: $SMOLFLOW_PORT or 4200].")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: $SMOLFLOW_PORT or 4200).")] = None,
     worker: Annotated[bool, typer.Option(help="Also start a worker on the smolflow pool.")] = True,
 ) -> None:
     """Start the server (if not running), create the work pool, queues and automation, start a worker."""
@@ -278,7 +277,7 @@ def server_start(
 
 
 @server_app.command("stop")
-def server_stop(port: Annotated[int | None, typer.Option(help="Port [default: $SMOLFLOW_PORT or 4200].")] = None) -> None:
+def server_stop(port: Annotated[int | None, typer.Option(help="Port (default: $SMOLFLOW_PORT or 4200).")] = None) -> None:
     """Stop the worker, then the server (by the PIDs recorded at start)."""
     from flows.server import Server
 
@@ -286,7 +285,7 @@ def server_stop(port: Annotated[int | None, typer.Option(help="Port [default: $S
 
 
 @server_app.command("status")
-def server_status(port: Annotated[int | None, typer.Option(help="Port [default: $SMOLFLOW_PORT or 4200].")] = None) -> None:
+def server_status(port: Annotated[int | None, typer.Option(help="Port (default: $SMOLFLOW_PORT or 4200).")] = None) -> None:
     """Whether the server and worker run, and where the UI is."""
     from flows.server import Server
 
