@@ -22,9 +22,9 @@ from prefect import flow, get_run_logger
 
 from flows.graph import STAGES, build_graph
 from flows.pipeline import full_pipeline
-from infra.ablation import Ablation, load_ablation
+from infra.ablation import Ablation, AblationRun, load_ablation
 from infra.errors import SmolflowError
-from infra.steps import STORE, plan_ids, statuses
+from infra.steps import STORE, Step, plan_ids, statuses
 from infra.storage import write_json_atomic
 from tasks.evaluation.compare import AblationRunDir, publish_comparison
 
@@ -72,16 +72,21 @@ def stages_of(ablation: Ablation) -> list[str]:
     return list(STAGES[: STAGES.index(until) + 1] if until else STAGES)
 
 
+def steps_of(ablation: Ablation, run: AblationRun) -> list[Step]:
+    """The steps a run of the ablation builds (those of its stages up to `until`), upstream first."""
+    stages = set(stages_of(ablation))
+    return [s for s in build_graph(run.recipe).steps if s.stage in stages]
+
+
 def explain(ablation: Ablation) -> list[str]:
     """A table of what each run would do with each step: `build`, `cached` (in the store), or `shared`
     (built once, by the first run that needs it); then what sharing saves. Steps are matched by plan id
     (infra/steps.py `plan_ids`): equal configs and equal upstream steps."""
-    stages = set(stages_of(ablation))
     store = ablation.root / STEPS
     users: dict[tuple[str, str], list[str]] = {}
     per_run, names = [], []
     for run in ablation.runs:
-        steps = [s for s in build_graph(run.recipe).steps if s.stage in stages]
+        steps = steps_of(ablation, run)
         ids = plan_ids(steps)
         state = {s.step.name: s.state for s in statuses(ablation.root / run.name, steps, store=store)}
         per_run.append((run, steps, ids, state))
@@ -173,10 +178,6 @@ def _record_wall_time(abl: Ablation, seconds: float) -> None:
 
 def report(abl: Ablation) -> Path:
     """The comparison report of the ablation as its run dirs hold it now."""
-    stages = set(stages_of(abl))
-    runs = []
-    for run in abl.runs:
-        steps = [s for s in build_graph(run.recipe).steps if s.stage in stages]
-        runs.append(AblationRunDir(run.name, run.variant, abl.root / run.name, steps))
+    runs = [AblationRunDir(run.name, run.variant, abl.root / run.name, steps_of(abl, run)) for run in abl.runs]
     data = json.loads((abl.root / "ablation.json").read_text())
     return publish_comparison(abl.cfg.name, abl.root, runs, abl.baseline, data.get("wall_seconds", []))
