@@ -12,11 +12,10 @@ noise" here may still be real, one called significant is.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 from infra.steps import Step, StepOutput, finished
 from infra.storage import write_json_atomic
 from tasks.common import run_logger
+from tasks.evaluation.report import step_metrics
 from tasks.evaluation.results import ResultStore, local_fingerprint, main_metric, stderr_of
 
 LOWER_IS_BETTER = ("bits_per_byte", "loss")
@@ -142,35 +142,39 @@ def compare_rows(rows: list[Row], variants: list[str], baseline: str) -> list[di
     return table
 
 
-def _curves(run: AblationRunDir, step: Step) -> tuple[str, list[tuple[float, float]]]:
+def _curves(run: AblationRunDir, step: Step, output: StepOutput | None) -> tuple[str, list[tuple[float, float]]]:
     """The training curve of a step: pretraining loss vs tokens, TRL loss (or GRPO reward) vs step."""
-    output = finished(run.run_dir, step.name)
     if output is None:
         return "", []
     if step.checkpoints:
-        path = output.path / "metrics.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-        return "loss vs tokens", [(r["tokens"], r["loss"]) for r in rows]
+        return "loss vs tokens", [(m["tokens"], m["loss"]) for m in step_metrics(run.run_dir, step.name)]
     for key in ("loss", "reward"):
         if output.summary.get(key):
             return f"{key} vs step", [tuple(x) for x in output.summary[key]]
     return "", []
 
 
-def _cost(runs: list[AblationRunDir]) -> tuple[list[dict[str, Any]], float, float]:
+Done = dict[str, dict[str, StepOutput]]  # run name -> step name -> its finished output
+
+
+def _finished(runs: list[AblationRunDir]) -> Done:
+    return {r.name: {s.name: o for s in r.steps if (o := finished(r.run_dir, s.name))} for r in runs}
+
+
+def _cost(runs: list[AblationRunDir], done: Done) -> tuple[list[dict[str, Any]], float, float]:
     """Per run: seconds of its steps as if run alone, tokens pretrained; and the seconds of distinct steps."""
     rows, distinct = [], {}
+    users = Counter(o.step_id for outputs in done.values() for o in outputs.values())
     for run in runs:
         seconds = tokens = shared = 0.0
         for step in run.steps:
-            out = finished(run.run_dir, step.name)
+            out = done[run.name].get(step.name)
             if out is None:
                 continue
             seconds += out.seconds
             distinct[out.step_id] = out.seconds
             tokens += out.summary.get("tokens", 0) if step.checkpoints else 0
-            users = sum(1 for r in runs if (o := finished(r.run_dir, step.name)) and o.step_id == out.step_id)
-            shared += out.seconds if users > 1 else 0
+            shared += out.seconds if users[out.step_id] > 1 else 0
         rows.append(
             {
                 "run": run.name,
@@ -204,9 +208,10 @@ def publish_comparison(name: str, root: Path, runs: list[AblationRunDir], baseli
     lines += ["| run | variant |", "|---|---|"] + [f"| {r.name} | {r.variant} |" for r in runs] + [""]
 
     # steps shared by all runs, and those that differ
+    done = _finished(runs)
     shared, differ = [], []
     for step in runs[0].steps:
-        ids = {o.step_id for r in runs if (o := finished(r.run_dir, step.name))}
+        ids = {o.step_id for r in runs if (o := done[r.name].get(step.name))}
         (shared if len(ids) == 1 else differ).append(f"{step.name} ({len(ids)} versions)" if len(ids) > 1 else step.name)
     lines += ["## What was shared", "", f"Built once for all runs: {', '.join(shared) or 'nothing'}.", ""]
     lines += [f"Built per variant or seed: {', '.join(differ) or 'nothing'}.", ""]
@@ -251,13 +256,17 @@ def publish_comparison(name: str, root: Path, runs: list[AblationRunDir], baseli
         lines += [f"![scores]({_save(fig, out / 'scores.png').name})", ""]
 
     # training curves of the steps that differ
-    curves = [s for s in runs[0].steps if any(d.startswith(s.name + " (") for d in differ) and _curves(runs[0], s)[1]]
+    curves = [
+        s
+        for s in runs[0].steps
+        if any(d.startswith(s.name + " (") for d in differ) and _curves(runs[0], s, done[runs[0].name].get(s.name))[1]
+    ]
     if curves:
         fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.5), squeeze=False)
         colors = {v: f"C{i}" for i, v in enumerate(variants)}
         for ax, step in zip(axes[0], curves, strict=True):
             for run in runs:
-                what, points = _curves(run, step)
+                what, points = _curves(run, step, done[run.name].get(step.name))
                 if points:
                     ax.plot([x for x, _ in points], [y for _, y in points], color=colors[run.variant], alpha=0.8, label=run.name)
             ax.set(title=f"{step.name}: {what}")
@@ -265,7 +274,7 @@ def publish_comparison(name: str, root: Path, runs: list[AblationRunDir], baseli
         lines += ["## Training curves (steps that differ)", "", f"![curves]({_save(fig, out / 'curves.png').name})", ""]
 
     # cost
-    cost, alone, distinct = _cost(runs)
+    cost, alone, distinct = _cost(runs, done)
     lines += [
         "## Cost",
         "",

@@ -90,7 +90,8 @@ def _curation(curate: list[Step], steps: dict[str, StepOutput]) -> list[str]:
     return ["## Curation", "", "| step | documents in | documents out | seconds |", "|---|---|---|---|", *rows, ""]
 
 
-def _metrics(run_dir: Path, step: str) -> list[dict]:
+def step_metrics(run_dir: Path, step: str) -> list[dict]:
+    """A pretraining step's logged metrics (metrics.jsonl), finished or still building."""
     for folder in (run_dir / step, run_dir / ".partial" / step):
         path = folder / "metrics.jsonl"
         if path.is_file():
@@ -101,7 +102,7 @@ def _metrics(run_dir: Path, step: str) -> list[dict]:
 def _pretraining(run_dir: Path, phases: list[Step], plots_dir: Path, card: Card) -> list[str]:
     import matplotlib.pyplot as plt
 
-    per_stage = {s.checkpoints: _metrics(run_dir, s.name) for s in phases}
+    per_stage = {s.checkpoints: step_metrics(run_dir, s.name) for s in phases}
     if not any(per_stage.values()):
         return ["## Pretraining", "", "_no training metrics yet_", ""]
     fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(12, 4))
