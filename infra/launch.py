@@ -1,8 +1,11 @@
 """Starting trainer processes: the launcher command, streaming their output, and killing the whole tree.
 
-torchrun starts its workers in new sessions, so killing the launcher or its process group leaves
-ranks running; `run_streaming` therefore kills the process tree (children first) when the command
-ends badly or the calling task is cancelled, and the ranks themselves exit when their parent dies.
+No rank may outlive the task that launched it, or a relaunch would train beside it. torchrun starts
+its workers in new sessions, so killing the launcher or its process group leaves ranks running;
+`run_streaming` therefore kills the process tree (children first) when the command ends badly or
+the task is cancelled. When the task process itself is SIGKILLed no `finally` runs: the launcher is
+tethered to it (infra/procs.py), the ranks watch it, and the step lock records the launcher so the
+next holder kills a tree that still lives.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-import psutil
-
+from infra.locks import record_child
+from infra.procs import kill_tree, owner_env, tethered
 from infra.recipe import LauncherCfg
 
 
@@ -53,30 +56,19 @@ def launch_command(cfg: LauncherCfg, module: str, args: list[str], port: int) ->
 
 
 def launch_env(cfg: LauncherCfg, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_rank), "PYTHONUNBUFFERED": "1", **(extra or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_rank), "PYTHONUNBUFFERED": "1", **owner_env(), **(extra or {})}
+    if not cfg.hostfile:  # one node: collectives listen on loopback only
+        env["GLOO_SOCKET_IFNAME"] = "lo"
     if cfg.kind == "python":  # a lone process still needs a rendezvous, or DeepSpeed tries MPI discovery
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     return env
 
 
-def kill_tree(pid: int) -> None:
-    try:
-        parent = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
-    procs = parent.children(recursive=True) + [parent]
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-
-
 def run_streaming(command: list[str], env: dict[str, str], on_line: Callable[[str], None], cwd: str | None = None) -> int:
     """Run `command`, passing each line of its output (stdout and stderr) to `on_line`; returns the exit code."""
-    proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    proc = subprocess.Popen(tethered(command), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     try:
+        record_child(proc.pid)
         for line in proc.stdout:
             on_line(line.rstrip())
         return proc.wait()

@@ -86,6 +86,7 @@ class S3Cfg(Strict):
     region: str | None = operational(None)
     key: SecretStr | None = operational(None)
     secret: SecretStr | None = operational(None)
+    part_size: int = operational(50 * 2**20, ge=5 * 2**20, description="bytes per part of a multipart upload (S3's minimum: 5 MiB)")
 
     def storage_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {}
@@ -521,6 +522,7 @@ class EvalCfg(Strict):
     follow: bool = operational(True, description="evaluate pretraining checkpoints while the trainer runs")
     poll_seconds: float = operational(10, gt=0)
     nice: int = operational(10, ge=0, le=19, description="CPU priority of eval processes below the trainer's")
+    timeout_minutes: float = operational(60, gt=0, description="an evaluation child running longer is killed and reported")
     threads: int = operational(1, ge=1)
 
 
@@ -604,7 +606,13 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     """Set `a.b.0.c=value` in nested recipe data; the value is parsed as YAML."""
     key, sep, raw = assignment.partition("=")
     if not sep or not key:
-        raise RecipeError(f"--set {assignment!r}: expected key.path=value")
+        raise RecipeError(f"--set {assignment.partition('=')[0]!r}: expected key.path=value")
+    if _sets_secret(key.split("."), yaml.safe_load(raw)):
+        raise RecipeError(
+            f"--set {key}: credentials are never given as overrides (a flow run stores its parameters, overrides "
+            "included, in plain text); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment of the process "
+            "or worker that runs the flow"
+        )
     parts = key.split(".")
     node: Any = data
     for i, part in enumerate(parts[:-1]):
@@ -623,6 +631,22 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         node[int(last)] = value
     else:
         node[last] = value
+
+
+def _sets_secret(parts: list[str], value: Any) -> bool:
+    """Whether setting a dotted key to VALUE sets a secret field of the schema (directly or inside a mapping)."""
+    if isinstance(value, dict):
+        return any(_sets_secret([*parts, str(k)], v) for k, v in value.items())
+    model: Any = Recipe
+    for part in parts:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return False
+        types = get_args(field.annotation) or (field.annotation,)
+        if SecretStr in types:
+            return True
+        model = next((t for t in types if isinstance(t, type) and issubclass(t, BaseModel)), None)
+    return False
 
 
 def parse_recipe(data: Any, source: str) -> Recipe:

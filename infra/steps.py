@@ -34,9 +34,9 @@ from typing import Any
 from pydantic import BaseModel, SecretStr
 
 from infra.errors import SmolflowError, StepLocked, UpstreamMissing
-from infra.locks import lock_holder, take_lock
+from infra.locks import acquire, describe, holder, holding
 from infra.recipe import Recipe, is_operational, load_recipe, parse_recipe, recipe_dump
-from infra.storage import Mirror, fingerprint_files, fsync_dir, write_json_atomic
+from infra.storage import Mirror, StorageError, fingerprint_files, fsync_dir, fsync_tree, write_json_atomic
 
 MANIFEST = "manifest.json"
 RECIPE = "recipe.json"  # the run's frozen recipe
@@ -246,18 +246,21 @@ def _locked(root: Path, folder: str, step: Step, sid: str, fingerprints: dict[st
     manifest = read_manifest(final)
     if manifest and manifest.get("step_id") == sid:
         log.info("step %s: finished earlier (step id %s), skipping", step.name, sid)
+        if mirror is not None:
+            _push_missing(mirror, final, folder, sid)
         return _output(manifest, final, cached=True)
-    lock = root / ".partial" / f"{folder}.lock"
-    if not take_lock(lock):
-        holder = lock_holder(lock) or {}
+    path = root / ".partial" / f"{folder}.lock"
+    lock = acquire(path)
+    if lock is None:
         raise StepLocked(
-            f"step {step.name} is being built by pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}; "
-            f"not starting a second builder (delete {lock} if that process is gone)"
+            f"step {step.name} is being built by {describe(holder(path))}; not starting a second builder "
+            f"(the lock is freed when that process exits, or, from another host, when its lease expires)"
         )
     try:
-        return _build(root, folder, step, sid, fingerprints, inputs, mirror)
+        with holding(lock):
+            return _build(root, folder, step, sid, fingerprints, inputs, mirror)
     finally:
-        lock.unlink(missing_ok=True)
+        lock.release()
 
 
 def _build(root: Path, folder: str, step: Step, sid: str, fingerprints: dict[str, str], inputs, mirror: Mirror | None) -> StepOutput:
@@ -271,12 +274,15 @@ def _build(root: Path, folder: str, step: Step, sid: str, fingerprints: dict[str
         log.info("step %s: restoring the finished version %s kept in %s", name, sid, kept)
         _commit(root, kept, final)
         return _output(manifest, final, cached=True)
-    if mirror is not None and (remote := mirror.read_marker(folder, MANIFEST)) and remote.get("step_id") == sid:
+    if mirror is not None and (remote := _remote_manifest(mirror, folder)) and remote.get("step_id") == sid:
         log.info("step %s: pulling the finished copy from %s", name, mirror.prefix)
         _set_aside(root, partial, folder)
         mirror.pull(folder, partial, MANIFEST)
-        _commit(root, partial, final)
-        return _output(remote, final, cached=True)
+        if fingerprint_tree(partial) == remote["fingerprint"]:
+            _commit(root, partial, final)
+            return _output(remote, final, cached=True)
+        log.warning("step %s: the copy on %s does not match its manifest's fingerprint: building it here", name, mirror.prefix)
+        _set_aside(root, partial, folder)
     if partial.exists() and _read_text(partial / _STEP_ID_FILE) != sid:
         _set_aside(root, partial, folder)
     if not partial.exists() and _previous(root, folder, sid, ".partial").exists():
@@ -300,12 +306,32 @@ def _build(root: Path, folder: str, step: Step, sid: str, fingerprints: dict[str
         "host": {"name": socket.gethostname(), "python": platform.python_version(), "platform": platform.platform()},
     }
     (partial / _STEP_ID_FILE).unlink()
+    manifest["files"] = fsync_tree(partial, skip_dirs=UNTRACKED_DIRS)  # on disk before the manifest says finished
     write_json_atomic(partial / MANIFEST, manifest)
     _commit(root, partial, final)
     if mirror is not None:
         mirror.push(final, folder, MANIFEST, skip_dirs=UNTRACKED_DIRS)
     log.info("step %s: built in %.1f s", name, seconds)
     return _output(manifest, final, cached=False)
+
+
+def _remote_manifest(mirror: Mirror, folder: str) -> dict[str, Any] | None:
+    try:
+        return mirror.read_marker(folder, MANIFEST)
+    except StorageError as err:  # an outage: the step can still be built here
+        log.warning("step %s: cannot look for a finished copy on %s (%s): building it here", folder, mirror.prefix, err)
+        return None
+
+
+def _push_missing(mirror: Mirror, final: Path, folder: str, sid: str) -> None:
+    """A finished step whose push failed after its commit (an outage) is pushed when next found finished."""
+    try:
+        remote = mirror.read_marker(folder, MANIFEST)
+        if remote is None or remote.get("step_id") != sid:
+            log.info("step %s: not on the mirror %s yet: pushing it", folder, mirror.prefix)
+            mirror.push(final, folder, MANIFEST, skip_dirs=UNTRACKED_DIRS)
+    except StorageError as err:
+        log.warning("step %s: still not on the mirror (%s); the next run tries again", folder, err)
 
 
 def _read_text(path: Path) -> str | None:

@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class CorruptFile(SmolflowError):
+    """A file no longer matches the size and MD5 recorded when it was written: retrying cannot fix it."""
+
+
 class StorageError(SmolflowError):
     """Remote storage unreachable or inconsistent after retries; a later task retry may succeed."""
 
@@ -87,6 +91,37 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(root: Path, skip_dirs: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """fsync every file under ROOT (then its folders) and return each file's record: relative path ->
+    size and MD5. Written into a manifest or marker before it, the record is what uploads, downloads
+    and remote listings are checked against (S3's ETag is no MD5 for a multipart upload)."""
+    records = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if path.is_file() and rel.parts[0] not in skip_dirs:
+            digest = hashlib.md5()
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    digest.update(chunk)
+                os.fsync(f.fileno())
+            records[rel.as_posix()] = {"size": path.stat().st_size, "md5": digest.hexdigest()}
+    for folder in sorted({p.parent for p in root.rglob("*")} | {root}):
+        fsync_dir(folder)
+    return records
+
+
+def s3_etag(path: Path, part_size: int) -> tuple[str, str]:
+    """(MD5, the ETag S3 gives the file uploaded by s3fs in parts of PART_SIZE): one pass over the file."""
+    whole, parts = hashlib.md5(), []
+    with open(path, "rb") as f:
+        while chunk := f.read(part_size):
+            whole.update(chunk)
+            parts.append(hashlib.md5(chunk).digest())
+    if path.stat().st_size < 2 * part_size:  # s3fs sends this in one request: the ETag is the MD5
+        return whole.hexdigest(), whole.hexdigest()
+    return whole.hexdigest(), f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
+
+
 def file_digest(path: Path, algorithm: str = "sha256") -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, algorithm).hexdigest()
@@ -119,14 +154,33 @@ def fingerprint_url(url: str, glob: str, s3: S3Cfg | None = None) -> str:
 
 
 def download_folder(url: str, local_dir: Path, s3: S3Cfg | None = None) -> Path:
-    """Copy every file under URL into LOCAL_DIR (files already there are kept), each with retries."""
+    """Copy every file under URL into LOCAL_DIR (files already there are kept), each verified by size."""
     fs, root = filesystem(url, s3)
-    for key in with_retries(f"list {url}", lambda: fs.find(root)):
-        dest = local_dir / key[len(root) + 1 :]
+    for key, info in with_retries(f"list {url}", lambda: fs.find(root, detail=True)).items():
+        dest = inside(local_dir, key[len(root) + 1 :])
         if not dest.exists():
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with_retries(f"download {key}", lambda key=key, dest=dest: fs.get_file(key, str(dest)))
+            with_retries(f"download {key}", lambda key=key, dest=dest, info=info: get_verified(fs, key, dest, info.get("size")))
     return local_dir
+
+
+def inside(folder: Path, rel: str) -> Path:
+    """FOLDER/REL, refusing a remote key that would land outside FOLDER (`../`, an absolute path)."""
+    target = (folder / rel).resolve()
+    if not rel or not target.is_relative_to(folder.resolve()):
+        raise StorageError(f"refusing remote key {rel!r}: it would be written outside {folder}")
+    return folder / rel
+
+
+def get_verified(fs, key: str, dest: Path, size: int | None, md5: str | None = None) -> None:
+    """Download KEY to a temporary name beside DEST and rename it once its size (and MD5) match:
+    a half-downloaded file is never kept under its real name."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.download")
+    fs.get_file(key, str(tmp))
+    if (size is not None and tmp.stat().st_size != size) or (md5 is not None and file_digest(tmp, "md5") != md5):
+        tmp.unlink()
+        raise OSError(f"download of {key} does not match its record (size or MD5)")
+    os.replace(tmp, dest)
 
 
 class Mirror:
@@ -140,6 +194,7 @@ class Mirror:
     def __init__(self, prefix: str, s3: S3Cfg | None = None, attempts: int = 4, backoff_s: float = 1.0):
         self.prefix = prefix.rstrip("/")
         self.s3 = s3
+        self.part_size = (s3 or S3Cfg()).part_size
         self.attempts = attempts
         self.backoff_s = backoff_s
         self.fs, self.root = filesystem(self.prefix, s3)
@@ -151,13 +206,16 @@ class Mirror:
         return f"{self.root}/{name}"
 
     def push(self, local_dir: Path, name: str, marker: str, skip_dirs: tuple[str, ...] = ()) -> None:
+        """Upload LOCAL_DIR's files, each checked against the record in its marker, then the marker."""
         remote = self.remote(name)
+        record = json.loads((local_dir / marker).read_text()).get("files", {})
         files = sorted(
             p for p in local_dir.rglob("*") if p.is_file() and p.name != marker and p.relative_to(local_dir).parts[0] not in skip_dirs
         )
         for path in files:
-            target = f"{remote}/{path.relative_to(local_dir).as_posix()}"
-            self._retry(f"upload {target}", lambda path=path, target=target: self._put_verified(path, target))
+            rel = path.relative_to(local_dir).as_posix()
+            target = f"{remote}/{rel}"
+            self._retry(f"upload {target}", lambda path=path, target=target, rel=rel: self._put_verified(path, target, record.get(rel)))
         self._retry(f"upload {remote}/{marker}", lambda: self._put_verified(local_dir / marker, f"{remote}/{marker}"))
         self.fs.invalidate_cache()
 
@@ -166,15 +224,18 @@ class Mirror:
         target = self.remote(name)
         self._retry(f"upload {target}", lambda: self._put_verified(path, target))
 
-    def _put_verified(self, path: Path, target: str) -> None:
-        self.fs.put_file(str(path), target)
+    def _put_verified(self, path: Path, target: str, record: dict[str, Any] | None = None) -> None:
+        md5, etag = s3_etag(path, self.part_size)
+        if record is not None and (record.get("md5") != md5 or record.get("size") != path.stat().st_size):
+            raise CorruptFile(f"{path} no longer matches the size and MD5 recorded when it was written: not uploading it")
+        self.fs.put_file(str(path), target, chunksize=self.part_size)
         self.fs.invalidate_cache(target)
         info = self.fs.info(target)
         if info.get("size") != path.stat().st_size:
             raise OSError(f"size mismatch after upload of {target}")
-        etag = str(info.get("ETag", "")).strip('"')
-        if etag and "-" not in etag and etag != file_digest(path, "md5"):  # multipart ETags are not MD5s
-            raise OSError(f"checksum mismatch after upload of {target}")
+        remote_etag = str(info.get("ETag", "")).strip('"')
+        if remote_etag and remote_etag != etag:
+            raise OSError(f"checksum mismatch after upload of {target} (ETag {remote_etag}, expected {etag})")
 
     def read_marker(self, name: str, marker: str) -> dict[str, Any] | None:
         path = f"{self.remote(name)}/{marker}"
@@ -188,15 +249,24 @@ class Mirror:
 
         return self._retry(f"read {path}", read)
 
-    def pull(self, name: str, local_dir: Path, marker: str) -> None:
+    def pull(self, name: str, local_dir: Path, marker: str) -> dict[str, Any]:
+        """Download a finished folder: the files its marker records (each verified, never half-kept), then the
+        marker; returns the marker."""
         remote = self.remote(name)
-        listing = self._retry(f"list {remote}", lambda: self.fs.find(remote, detail=True))
-        for key, info in listing.items():
-            rel = key[len(remote) + 1 :]
-            target = local_dir / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            self._retry(f"download {key}", lambda key=key, target=target: self.fs.get_file(key, str(target)))
-            if target.stat().st_size != info.get("size"):
-                raise StorageError(f"download of {key} is incomplete")
-        if not (local_dir / marker).exists():
+        found = self.read_marker(name, marker)
+        if found is None:
             raise StorageError(f"{remote} has no {marker}: not a finished folder")
+        listing = self._retry(f"list {remote}", lambda: self.fs.find(remote, detail=True))
+        sizes = {key[len(remote) + 1 :]: info.get("size") for key, info in listing.items()}
+        record = found.get("files") or {rel: {"size": size} for rel, size in sizes.items() if rel != marker}
+        for rel, want in sorted(record.items()):
+            want = want if isinstance(want, dict) else {"size": want}
+            if sizes.get(rel) != want["size"]:
+                raise StorageError(f"{remote}/{rel}: {'missing' if rel not in sizes else 'wrong size'} on the mirror")
+            target = inside(local_dir, rel)
+            self._retry(
+                f"download {remote}/{rel}",
+                lambda rel=rel, target=target, want=want: get_verified(self.fs, f"{remote}/{rel}", target, want["size"], want.get("md5")),
+            )
+        write_json_atomic(inside(local_dir, marker), found)
+        return found

@@ -17,10 +17,12 @@ import queue
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from infra.storage import Mirror, fsync_dir, write_json_atomic
+from infra.errors import SmolflowError
+from infra.storage import CorruptFile, Mirror, StorageError, file_digest, fsync_dir, fsync_tree, with_retries, write_json_atomic
 
 MARKER = "checkpoint.json"
 LATEST = "latest.json"
@@ -62,41 +64,66 @@ def step_of(tag: str) -> int:
     return int(re.fullmatch(r"step(\d+)", tag).group(1))
 
 
-def fsync_tree(root: Path) -> dict[str, int]:
-    """fsync every file under `root` (and the folders), returning relative path -> size."""
-    sizes = {}
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-            sizes[path.relative_to(root).as_posix()] = path.stat().st_size
-    for folder in sorted({p.parent for p in root.rglob("*")} | {root}):
-        fsync_dir(folder)
-    return sizes
-
-
 def is_complete(folder: Path) -> bool:
     """A checkpoint folder is complete when its marker lists exactly the files it holds, sizes included."""
     try:
         listed = json.loads((folder / MARKER).read_text())["files"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError):
         return False
-    return all((folder / rel).is_file() and (folder / rel).stat().st_size == size for rel, size in listed.items())
+    return all((folder / rel).is_file() and (folder / rel).stat().st_size == _size(rec) for rel, rec in listed.items())
+
+
+def _size(record: dict[str, Any] | int) -> int:
+    return record["size"] if isinstance(record, dict) else record  # markers before MD5s were recorded: sizes only
+
+
+def verify(folder: Path) -> None:
+    """Check every file's MD5 against the marker this project wrote; raise CorruptFile naming the first that differs.
+    Run before anything that unpickles the checkpoint without `weights_only` (DeepSpeed's universal conversion)."""
+    listed = json.loads((folder / MARKER).read_text())["files"]
+    for rel, record in sorted(listed.items()):
+        if not isinstance(record, dict) or file_digest(folder / rel, "md5") != record["md5"]:
+            raise CorruptFile(f"{folder / rel} does not match the MD5 recorded when checkpoint {folder.name} was written")
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    return sum(_size(r) for r in json.loads((folder / MARKER).read_text())["files"].values())
+
+
+class DiskFull(SmolflowError):
+    """Not enough free space for the next checkpoint even after pruning: the message names the folder and sizes."""
 
 
 class CheckpointStore:
-    """The checkpoints of one training stage under `root`; rank 0 manages files, all ranks save shards."""
+    """The checkpoints of one training stage under `root`; rank 0 manages files, all ranks save shards.
 
-    def __init__(self, root: Path, keep_last: int, mirror: Mirror | None = None, remote_name: str = "", hold_unevaluated: int = 0):
+    With a mirror, a background thread uploads each committed checkpoint and retries failed uploads
+    with backoff until they succeed; a checkpoint is pruned only once uploaded. During a long outage
+    at most `max_unmirrored` checkpoints wait on disk: the next save fails loudly, naming the mirror,
+    instead of filling the disk days into a stage.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        keep_last: int,
+        mirror: Mirror | None = None,
+        remote_name: str = "",
+        hold_unevaluated: int = 0,
+        max_unmirrored: int = 4,
+        retry_s: tuple[float, float] = (5.0, 300.0),
+    ):
         self.root = Path(root)
         self.keep_last = keep_last
         self.hold_unevaluated = hold_unevaluated
+        self.max_unmirrored = max_unmirrored
         self.mirror = mirror
         self.remote_name = remote_name
         self.root.mkdir(parents=True, exist_ok=True)
         self._uploaded: set[str] = set()
-        self._failed: set[str] = set()
+        self._failed: dict[str, str] = {}  # tag -> last error
         self._queue: queue.Queue[str | None] = queue.Queue()
+        self._retry_s = retry_s
         self._uploader = threading.Thread(target=self._upload_loop, daemon=True) if mirror else None
         if self._uploader:
             self._uploader.start()
@@ -107,42 +134,81 @@ class CheckpointStore:
         return sorted(p.name for p in self.root.glob("step*") if p.is_dir() and is_complete(p))
 
     def latest(self) -> str | None:
-        """Newest complete checkpoint, local or (if newer, or the only one) pulled back from the mirror."""
+        """Newest complete checkpoint, local or (if newer, or the only one) pulled back from the mirror.
+        Local checkpoints the mirror lacks (an upload cut off by a crash or an outage) are queued again."""
         local = self.local_tags()
         newest = local[-1] if local else None
-        if self.mirror is not None:
+        if self.mirror is None:
+            return newest
+        try:
             remote = self.remote_tags()
-            if remote and (newest is None or step_of(remote[-1]) > step_of(newest)):
-                newest = remote[-1]
-                if newest not in local:
-                    log.info("checkpoint %s is not on this machine: pulling it from %s", newest, self.mirror.prefix)
-                    target = self.root / ".tmp" / newest
-                    shutil.rmtree(target, ignore_errors=True)
-                    self.mirror.pull(f"{self.remote_name}/{newest}", target, MARKER)
-                    if not is_complete(target):
-                        raise RuntimeError(f"checkpoint {newest} pulled from the mirror is incomplete")
-                    os.replace(target, self.root / newest)
-                    self._uploaded.add(newest)
+        except StorageError as err:
+            log.warning("checkpoints: cannot list %s (%s); resuming from local checkpoints, uploads retried", self.mirror.prefix, err)
+            remote = []
+        self._uploaded |= set(remote)
+        for tag in local:
+            if tag not in self._uploaded:
+                self._queue.put(tag)
+        if remote and (newest is None or step_of(remote[-1]) > step_of(newest)):
+            newest = remote[-1]
+            log.info("checkpoint %s is not on this machine: pulling it from %s", newest, self.mirror.prefix)
+            target = self.root / ".tmp" / newest
+            shutil.rmtree(target, ignore_errors=True)
+            self.mirror.pull(f"{self.remote_name}/{newest}", target, MARKER)
+            if not is_complete(target):
+                raise StorageError(f"checkpoint {newest} pulled from {self.mirror.prefix} is incomplete")
+            os.replace(target, self.root / newest)
         return newest
 
     def remote_tags(self) -> list[str]:
         fs, root = self.mirror.fs, f"{self.mirror.remote(self.remote_name)}"
-        try:
-            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, refresh=True)]
-        except FileNotFoundError:
-            return []
-        return sorted(n for n in names if n.startswith("step") and self.mirror.read_marker(f"{self.remote_name}/{n}", MARKER))
+
+        def names() -> list[str]:
+            try:
+                return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, refresh=True)]
+            except FileNotFoundError:
+                return []
+
+        listed = with_retries(f"list {root}", names, self.mirror.attempts, self.mirror.backoff_s)
+        return sorted(n for n in listed if n.startswith("step") and self.mirror.read_marker(f"{self.remote_name}/{n}", MARKER))
 
     # --- saving -----------------------------------------------------------------------------
 
     def tmp_dir(self) -> Path:
         return self.root / ".tmp"
 
+    def clear_staging(self) -> None:
+        """Rank 0, on start: saves a killed run left half-written in .tmp (never complete, recomputable)."""
+        if self.tmp_dir().exists():
+            log.info("checkpoints: clearing the unfinished saves in %s", self.tmp_dir())
+            shutil.rmtree(self.tmp_dir())
+
+    def make_room(self, estimate: int) -> None:
+        """Rank 0, before a save: fail early when checkpoints wait on an unreachable mirror, prune so the
+        next checkpoint fits (the newest is always kept), or fail naming the folder and the space needed."""
+        waiting = [t for t in self.local_tags() if self.mirror is not None and t not in self._uploaded]
+        if len(waiting) >= self.max_unmirrored:
+            errors = "; ".join(sorted(set(self._failed.values()))) or "uploads still queued"
+            raise MirrorBehind(
+                f"{len(waiting)} checkpoints ({', '.join(waiting)}) are not on {self.mirror.prefix} yet ({errors}): stopping "
+                f"before the disk fills; they are kept and uploaded when the mirror is back (a retry resumes from {waiting[-1]})"
+            )
+        tags = self.local_tags()
+        need = max([checkpoint_bytes(self.root / t) for t in tags[-1:]] or [estimate])
+        if shutil.disk_usage(self.root).free < need * 1.1:
+            self.prune(keep=1, hold=0)
+        free = shutil.disk_usage(self.root).free
+        if free < need * 1.1:
+            raise DiskFull(
+                f"{self.root}: {free / 2**20:.1f} MiB free, the next checkpoint needs about {need * 1.1 / 2**20:.1f} MiB "
+                f"(kept: {', '.join(self.local_tags()) or 'none'}); free space there or move checkpoints to a larger disk"
+            )
+
     def commit(self, tag: str, step: int, extra: dict[str, Any]) -> None:
-        """Rank 0, after every rank saved into tmp_dir()/TAG: verify, publish, then prune."""
+        """Rank 0, after every rank saved into tmp_dir()/TAG: record, publish, then prune."""
         staged = self.tmp_dir() / tag
-        sizes = fsync_tree(staged)
-        write_json_atomic(staged / MARKER, {"tag": tag, "step": step, "files": sizes, **extra})
+        files = fsync_tree(staged)
+        write_json_atomic(staged / MARKER, {"tag": tag, "step": step, "files": files, **extra})
         final = self.root / tag
         if final.exists():
             shutil.rmtree(final)
@@ -153,14 +219,16 @@ class CheckpointStore:
             self._queue.put(tag)
         self.prune()
 
-    def prune(self) -> None:
+    def prune(self, keep: int | None = None, hold: int | None = None) -> None:
         """Delete checkpoints beyond the newest `keep_last`, except those not yet uploaded, and (up to
         `hold_unevaluated` of them) those the evaluator has not scored yet (it marks them in EVALUATED/)."""
+        keep = self.keep_last if keep is None else keep
+        hold = self.hold_unevaluated if hold is None else hold
         held = 0
-        for tag in reversed(self.local_tags()[: -self.keep_last]):
+        for tag in reversed(self.local_tags()[:-keep]):
             if self.mirror is not None and tag not in self._uploaded:
                 continue  # never delete the only copy: it goes once its upload is verified
-            if held < self.hold_unevaluated and not (self.root / EVALUATED / tag).exists():
+            if held < hold and not (self.root / EVALUATED / tag).exists():
                 held += 1
                 continue
             shutil.rmtree(self.root / tag, ignore_errors=True)
@@ -169,30 +237,53 @@ class CheckpointStore:
     # --- mirroring --------------------------------------------------------------------------
 
     def _upload_loop(self) -> None:
-        while (tag := self._queue.get()) is not None:
+        wait = self._retry_s[0]
+        while True:
             try:
-                if (self.root / tag).exists():
+                tag = self._queue.get(timeout=wait if self._failed else None)
+            except queue.Empty:  # failed uploads are retried on their own, with growing pauses
+                for failed in sorted(self._failed):
+                    self._queue.put(failed)
+                wait = min(wait * 2, self._retry_s[1])
+                continue
+            if tag is None:
+                self._queue.task_done()
+                return
+            try:
+                if tag not in self._uploaded and (self.root / tag).exists():
                     self.mirror.push(self.root / tag, f"{self.remote_name}/{tag}", MARKER)
                     self._uploaded.add(tag)
-                    self._failed.discard(tag)
                     log.info("checkpoint %s mirrored to %s", tag, self.mirror.prefix)
-            except Exception as err:  # an outage: keep the local copy, try again with the next save
-                self._failed.add(tag)
+                self._failed.pop(tag, None)
+                wait = self._retry_s[0] if not self._failed else wait
+            except Exception as err:  # an outage: keep the local copy and try again
+                self._failed[tag] = f"{type(err).__name__}: {err}"
                 log.warning("checkpoint %s: upload failed (%s); the local copy is kept and retried", tag, err)
             finally:
                 self._queue.task_done()
 
-    def retry_failed(self) -> None:
-        for tag in sorted(self._failed):
-            self._queue.put(tag)
+    def unmirrored(self) -> list[str]:
+        return sorted(self._failed)
 
-    def close(self) -> list[str]:
-        """Wait for queued uploads; returns the checkpoints whose upload still failed."""
+    def close(self, wait_s: float = 0.0) -> list[str]:
+        """Wait for queued uploads (and up to WAIT_S for failed ones to go through); returns those still failing."""
         if self._uploader is None:
             return []
-        self.retry_failed()
+        deadline = time.time() + wait_s
         self._queue.join()
+        while self._failed and time.time() < deadline:
+            for tag in sorted(self._failed):
+                self._queue.put(tag)
+            self._queue.join()
+            if self._failed:
+                time.sleep(min(self._retry_s[0], max(0.0, deadline - time.time())))
         self._queue.put(None)
         self._uploader.join()
         self.prune()
-        return sorted(self._failed)
+        return self.unmirrored()
+
+
+class MirrorBehind(SmolflowError):
+    """Too many checkpoints wait for an unreachable mirror; the task retries once it may be back."""
+
+    retryable = True

@@ -12,7 +12,6 @@ recipe: `TrainConfig` is exactly what the pipeline's step for this phase hashes.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -29,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
+from infra.procs import die_with_parent, watch_owner
 from infra.recipe import CheckpointCfg, ModelCfg, S3Cfg, SpikeCfg, Strict, operational
 from infra.storage import Mirror
-from model.checkpoint import MARKER, CheckpointStore, tag_for, weights_only_engine
+from model.checkpoint import MARKER, CheckpointStore, DiskFull, MirrorBehind, tag_for, verify, weights_only_engine
 from model.data import IGNORE, MixtureBatches, TokenSource, flatten, sample_order
 from model.network import build_model, flops_per_token, long_context_config, model_config, param_groups, with_yarn
 
@@ -117,29 +117,40 @@ class TrainJob(BaseModel):
 # --- process and engine -------------------------------------------------------------------------
 
 
-def die_with_parent() -> None:
-    """Exit when the launcher dies, so no rank outlives a cancelled or killed task (Linux prctl)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() == 1:  # the parent is already gone
-        sys.exit(1)
+PREEMPTED = 75  # exit code after a checkpoint forced by SIGTERM/SIGUSR1 (EX_TEMPFAIL): the task retries
+
+
+class Preemption:
+    """Set by SIGTERM (a cancel, Slurm's preemption) or SIGUSR1 (Slurm's warning before the time limit):
+    the loop finishes its step, every rank agrees, saves a checkpoint and exits with PREEMPTED."""
+
+    def __init__(self):
+        self.why = ""
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._set)
+
+    def _set(self, signum, frame) -> None:
+        self.why = f"received {signal.Signals(signum).name}"
+
+    def is_set(self) -> bool:
+        return bool(self.why)
 
 
 def setup_distributed() -> tuple[int, int]:
-    """Default to a one-rank group (DeepSpeed would otherwise try MPI discovery) and start it."""
+    """Start the process group; a lone rank uses an in-memory store, so nothing listens beyond loopback
+    (and DeepSpeed, finding the group started, skips its MPI discovery)."""
     import deepspeed
 
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", "29511")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not torch.cuda.is_available():
         # the shared-memory allreduce op is compiled with g++ on first use (minutes); gloo needs none of it
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if not torch.distributed.is_initialized() and os.environ["WORLD_SIZE"] == "1":
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        deepspeed.init_distributed(dist_backend=backend)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
@@ -358,6 +369,7 @@ def train(job: TrainJob) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     die_with_parent()
+    watch_owner()
     cfg = job.config
     torch.set_num_threads(cfg.threads)
     rank, world = setup_distributed()
@@ -385,6 +397,7 @@ def train(job: TrainJob) -> dict[str, Any]:
         f"{grad_accum(cfg, world)} micro-batch(es) of {cfg.micro_batch_size}, {sum(q.numel() for q in engine.module.parameters()):,} params"
     )
     window, last_save, saves, first, dropped_steps = Window(), time.time(), [], step, []
+    preempted = Preemption()
     while step < cfg.schedule.steps:
         if job.stop_after_steps is not None and step - first >= job.stop_after_steps:
             break
@@ -417,8 +430,10 @@ def train(job: TrainJob) -> dict[str, Any]:
                 f"{metrics['tokens_per_s']:,.0f} tok/s | MFU {metrics['mfu']:.1%} | eta {metrics['eta_s']:.0f}s"
             )
             window = Window()
+        stopping = agree(float(preempted.is_set()), torch.distributed.ReduceOp.MAX) > 0
         if (
-            step % cfg.checkpoint.every_steps == 0
+            stopping
+            or step % cfg.checkpoint.every_steps == 0
             or time.time() - last_save > cfg.checkpoint.every_minutes * 60
             or step == cfg.schedule.steps
         ):
@@ -428,6 +443,11 @@ def train(job: TrainJob) -> dict[str, Any]:
             )
             last_save = time.time()
             saves.append(last_save - begun)
+        if stopping and step < cfg.schedule.steps:
+            say(f"{cfg.phase}: {preempted.why}: checkpoint {tag_for(step)} saved; exiting for a retry to resume from it")
+            if rank == 0:
+                store.close()
+            sys.exit(PREEMPTED)
     return finish(job, engine, store, tokenizer, tracker, rank, step, guard, saves, dropped_steps)
 
 
@@ -437,6 +457,8 @@ def restore_point(job: TrainJob, rank: int, world: int):
     cfg = job.config
     mirror = Mirror(job.mirror, S3Cfg(endpoint_url=job.s3_endpoint, region=job.s3_region)) if job.mirror else None
     store = CheckpointStore(Path(job.checkpoint_dir), cfg.checkpoint.keep_last, mirror, job.remote_name, cfg.hold_unevaluated)
+    if rank == 0:
+        store.clear_staging()
     init_tag = None
     if job.init_from is not None and not cfg.long_context:  # the previous main phase's newest checkpoint
         previous = CheckpointStore(Path(job.init_from), cfg.checkpoint.keep_last, mirror, remote_name=job.init_remote or "")
@@ -508,6 +530,7 @@ def to_universal(root: Path, tag: str, rank: int) -> tuple[Path, str]:
 
     target = Path(root) / ".universal"
     if rank == 0 and not (target / tag / "zero").exists():
+        verify(Path(root) / tag)  # the conversion unpickles with weights_only=False: only files this project wrote
         staging = target / f".{tag}"
         shutil.rmtree(staging, ignore_errors=True)
         print(f"converting {tag} to a universal checkpoint (saved by another number of ranks)", flush=True)
@@ -542,6 +565,15 @@ def save(engine, store: CheckpointStore, step: int, guard: SpikeGuard, position:
     import torch.distributed as dist
 
     tag = tag_for(step)
+    problem = None
+    if rank == 0:
+        try:  # about 16 bytes a parameter: fp32 weights, two Adam moments and the HF export
+            store.make_room(16 * sum(q.numel() for q in engine.module.parameters()))
+        except (DiskFull, MirrorBehind) as err:
+            problem = f"{type(err).__name__}: {err}"
+    if (problem := broadcast(problem)) is not None:  # every rank stops, or the others would wait in the save
+        print(f"error: cannot save checkpoint {tag}: {problem}", flush=True)
+        sys.exit(1)
     client = {"step": step, "rng": rng_state(), "skip_steps": sorted(guard.skip_steps), "loss_ema": guard.ema}
     engine.save_checkpoint(str(store.tmp_dir()), tag=tag, client_state=client, save_latest=False)
     dist.barrier()

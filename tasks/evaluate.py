@@ -95,8 +95,10 @@ def evaluate_source(source: str, recipe: Recipe, models: Models, work_dir: Path)
     s3 = recipe.storage.s3
     store = ResultStore(f"{source.rstrip('/')}/evals/results", s3, lock_dir=work_dir / "evals" / "locks")
     heldout = download_folder(models.heldout_dir(source), Path(models.heldout_dir(work_dir)), s3)
-    found = models_in_prefix(source, s3, models.steps)
-    return _finish(evaluator(recipe, work_dir, heldout, None, store).run(found), f"eval {source}")
+    found, skipped = models_in_prefix(source, s3, models.steps)
+    if skipped:
+        run_logger().warning("eval %s: %d model folder(s) not evaluated: %s", source, len(skipped), skipped)
+    return _finish(evaluator(recipe, work_dir, heldout, None, store).run(found), f"eval {source}") | {"skipped": skipped}
 
 
 @stage_task("report-card", retries=1)

@@ -18,7 +18,7 @@ from infra.errors import SmolflowError
 from infra.launch import free_port, launch_command, launch_env, run_streaming
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
 from infra.steps import StepOutput, building_step_id
-from model.train import Schedule, TrainConfig, TrainJob
+from model.train import PREEMPTED, Schedule, TrainConfig, TrainJob
 from tasks.common import run_logger, stage_task
 from tasks.curation.mixtures import MixturePhase, windows
 
@@ -136,6 +136,8 @@ def train_phase(cfg: PhaseStepCfg, inputs: Mapping[str, StepOutput], out: Path) 
     log.info("pretrain %s: %s", t.phase, " ".join(command))
     code = run_streaming(command, launch_env(cfg.launcher, trainer_env(cfg.storage, run_dir)), log.info)
     summary = out / "summary.json"  # written last, by rank 0, once the phase is done
+    if code == PREEMPTED:
+        raise TrainerFailed(f"pretrain {t.phase}: the trainer was signalled (preemption, cancel), checkpointed and exited; a retry resumes")
     if code != 0 or not summary.is_file():
         raise TrainerFailed(
             f"pretrain {t.phase}: trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint"

@@ -43,7 +43,10 @@ def s3_server():
     """A real moto S3 server on 127.0.0.1 with dummy credentials in the environment."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, "S3_UPLOAD_PART_MIN_SIZE": "1024"},  # lets tests force multipart uploads with small files
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60

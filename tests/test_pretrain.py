@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from infra.launch import kill_tree, launch_command, launch_env, run_streaming
+from infra.launch import launch_command, launch_env, run_streaming
+from infra.procs import kill_tree
 from infra.recipe import CheckpointCfg, LauncherCfg, ModelCfg
-from model.train import Schedule, TrainConfig, TrainJob
+from model.checkpoint import checkpoint_bytes, step_of
+from model.train import PREEMPTED, Schedule, TrainConfig, TrainJob
 from tasks.curation import tokenizer as bpe
 
 pytestmark = pytest.mark.slow
@@ -77,8 +79,7 @@ def make_job(data: Path, out: Path, phase: int = 0, world: int = 1, batch_size: 
         sources={n: str(data / n) for n in ("a", "b")},
         tokenizer_dir=str(data / "tok"),
         out_dir=str(out),
-        checkpoint_dir=str(out / "checkpoints"),
-        **fields,
+        **{"checkpoint_dir": str(out / "checkpoints"), **fields},
     )
     path = out / "job.json"
     path.write_text(job.model_dump_json())
@@ -148,18 +149,73 @@ def test_sigkill_at_a_random_step_resumes_with_the_same_losses(data, reference, 
 
 
 def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(data, reference, tmp_path):
+    """Killed while writing a later checkpoint (not the first): the torn save is never loaded, the one before is."""
     out = tmp_path / "torn"
     job = make_job(data, out)
     proc = start_killable(job)
-    staging = out / "checkpoints" / ".tmp"
-    while proc.poll() is None and not any(staging.glob("step*/*")):
-        time.sleep(0.002)
+    root, torn = out / "checkpoints", None
+    while proc.poll() is None and torn is None:
+        latest = json.loads((root / "latest.json").read_text())["tag"] if (root / "latest.json").exists() else None
+        if latest and step_of(latest) >= 6:
+            torn = next((p.parent.name for p in (root / ".tmp").glob("step*/*") if p.parent.name > latest), None)
     kill_tree(proc.pid)
-    latest = json.loads((out / "checkpoints" / "latest.json").read_text()) if (out / "checkpoints" / "latest.json").exists() else None
+    previous = json.loads((root / "latest.json").read_text())["tag"]
+    assert torn is not None and (root / ".tmp" / torn).exists() and step_of(previous) < step_of(torn) and step_of(previous) >= 6
     lines = run_job(job)
-    if latest is not None:
-        assert any(f"from checkpoint {latest['tag']}" in line for line in lines)
+    assert any(f"resumed s1 from checkpoint {previous}" in line for line in lines), lines[:5]
     assert losses(out) == pytest.approx(losses(reference), rel=1e-6, abs=1e-7)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_for_a_retry_to_resume(data, reference, tmp_path):
+    """A Slurm preemption or a cancel (SIGTERM) between checkpoints loses no step: checkpoint, exit 75, resume."""
+    out = tmp_path / "preempted"
+    job = make_job(data, out)
+    edit(job, checkpoint=CheckpointCfg(every_steps=50, every_minutes=60, keep_last=2).model_dump())
+    proc = start_killable(job)
+    while proc.poll() is None and logged_steps(out) < 20:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == PREEMPTED
+    tag = json.loads((out / "checkpoints" / "latest.json").read_text())["tag"]
+    assert 20 <= step_of(tag) < 50, "saved where it stopped, not at a scheduled checkpoint"
+    lines = run_job(job)
+    assert any(f"resumed s1 from checkpoint {tag}" in line for line in lines)
+    assert losses(out) == pytest.approx(losses(reference), rel=1e-6, abs=1e-7)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A size-limited filesystem (tmpfs) mounted for the test: needs root."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounts = []
+
+    def mount(size: int) -> Path:
+        folder = tmp_path / f"disk{len(mounts)}"
+        folder.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
+        mounts.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounts:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_small_disk_is_pruned_before_a_save_and_a_full_one_named(data, reference, tmp_path, small_disk):
+    size = checkpoint_bytes(max((reference / "checkpoints").glob("step*")))
+    disk = small_disk(int(2.6 * size))  # two checkpoints fit (keep_last), a third only once the oldest is pruned
+    job = make_job(data, tmp_path / "small", checkpoint_dir=str(disk / "ckpt"))
+    run_job(job)
+    assert losses(tmp_path / "small") == pytest.approx(losses(reference), rel=1e-6, abs=1e-7)
+
+    full = small_disk(int(0.5 * size))
+    job = make_job(data, tmp_path / "full", checkpoint_dir=str(full / "ckpt"))
+    launcher = LauncherCfg(kind="python", nproc=1, threads_per_rank=1)
+    lines: list[str] = []
+    code = run_streaming(launch_command(launcher, "model.train", [str(job)], port=0), launch_env(launcher), lines.append)
+    message = next((line for line in lines if "DiskFull" in line), "\n".join(lines[-10:]))
+    assert code != 0 and str(full / "ckpt") in message and "MiB free, the next checkpoint needs about" in message
 
 
 def test_long_context_phase_starts_from_previous_weights_and_exports_yarn(data, reference, tmp_path):

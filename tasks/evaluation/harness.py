@@ -127,7 +127,11 @@ def evaluate_in_child(
     command = [sys.executable, "-m", "tasks.evaluation.harness", str(model_dir), str(include), str(out), "--config", cfg.model_dump_json()]
     command += ["--tasks", *tasks] + (["--chat"] if chat else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, preexec_fn=lambda: os.nice(cfg.nice))
+    try:  # niced by `nice(1)`: a preexec_fn is unsafe in a threaded process (the follower runs beside the trainer)
+        niced = ["nice", "-n", str(cfg.nice), *command]
+        proc = subprocess.run(niced, env=env, capture_output=True, text=True, timeout=cfg.timeout_minutes * 60)
+    except subprocess.TimeoutExpired:
+        raise EvalFailed(f"evaluating {model_dir} took over {cfg.timeout_minutes:g} min (evaluation.timeout_minutes): killed") from None
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
         raise EvalFailed(f"evaluating {model_dir} failed (exit {proc.returncode}):\n{tail}")

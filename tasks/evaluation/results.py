@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,12 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.locks import take_lock
+from infra.locks import acquire
 from infra.recipe import EvalCfg, S3Cfg
 from infra.steps import MANIFEST, Step, building_step_id, identity, read_manifest, step_id
 from infra.storage import file_digest, filesystem, with_retries
 from model.checkpoint import MARKER, is_complete
 
+log = logging.getLogger(__name__)
 MAIN_METRIC = ("acc", "exact_match/answer", "bits_per_byte")  # the number a task is summed up by, in this order
 
 
@@ -139,8 +141,10 @@ def made_by(step_dir: Path) -> str | None:
         return None
 
 
-def models_in_prefix(prefix: str, s3: S3Cfg | None, steps: list[Step]) -> list[ModelRef]:
-    """Every checkpoint and finished model mirrored under an s3:// (or any fsspec) prefix."""
+def models_in_prefix(prefix: str, s3: S3Cfg | None, steps: list[Step]) -> tuple[list[ModelRef], dict[str, str]]:
+    """Every checkpoint and finished model mirrored under an s3:// (or any fsspec) prefix, fingerprinted from
+    the file records (size, MD5) of its marker or manifest, checked against the listing. Returns the models and
+    the folders that could not be fingerprinted, with the reason (logged, never dropped silently)."""
     fs, root = filesystem(prefix, s3)
     found = []
     for step in steps:
@@ -149,34 +153,45 @@ def models_in_prefix(prefix: str, s3: S3Cfg | None, steps: list[Step]) -> list[M
         markers = with_retries(f"list {prefix}", lambda step=step: fs.glob(f"{root}/checkpoints/{step.name}-*/step*/{MARKER}"))
         for marker_path in sorted(markers):
             folder = marker_path.rsplit("/", 1)[0]
-            with fs.open(marker_path, "rb") as f:
-                marker = json.loads(f.read())
-            found.append((f"{folder}/hf", f"{step.checkpoints}/{folder.rsplit('/', 1)[-1]}", "checkpoint", step.checkpoints, marker))
+            marker = _read_json(fs, marker_path)
+            found.append((folder, "hf", f"{step.checkpoints}/{folder.rsplit('/', 1)[-1]}", "checkpoint", step.checkpoints, marker))
     for step in steps:
-        if step.model and with_retries(f"list {prefix}", lambda step=step: fs.exists(f"{root}/{step.name}/{MANIFEST}")):
-            found.append((f"{root}/{step.name}/final", step.model, "model", step.model, {}))
-    models = []
-    for path, label, kind, stage, marker in found:
-        fingerprint = remote_fingerprint(fs, path)
-        if fingerprint:
-            url = f"s3://{path}" if prefix.startswith("s3://") else path
-            models.append(ModelRef(url, fingerprint, label, kind, stage, marker.get("step"), marker.get("tokens")))
-    return models
+        if step.model and (manifest := _read_json(fs, f"{root}/{step.name}/{MANIFEST}")) is not None:
+            found.append((f"{root}/{step.name}", "final", step.model, "model", step.model, manifest))
+    models, skipped = [], {}
+    for folder, sub, label, kind, stage, record in found:
+        fingerprint, problem = remote_fingerprint(fs, folder, sub, record.get("files", {}))
+        if problem:
+            skipped[f"{folder}/{sub}"] = problem
+            log.warning("not evaluating %s/%s: %s", folder, sub, problem)
+            continue
+        url = f"s3://{folder}/{sub}" if prefix.startswith("s3://") else f"{folder}/{sub}"
+        models.append(ModelRef(url, fingerprint, label, kind, stage, record.get("step"), record.get("tokens"), record.get("step_id")))
+    return models, skipped
 
 
-def remote_fingerprint(fs, folder: str) -> str | None:
-    """The same fingerprint as local_fingerprint, from the listing's ETags (None: not there, or multipart)."""
+def _read_json(fs, path: str) -> dict[str, Any] | None:
     try:
-        listing = fs.find(folder, detail=True)
+        return json.loads(with_retries(f"read {path}", lambda: fs.cat_file(path)))
     except FileNotFoundError:
         return None
-    files = {}
-    for key, info in listing.items():
-        etag = str(info.get("ETag", "")).strip('"')
-        if not etag or "-" in etag:
-            return None  # a multipart upload's ETag is not an MD5: the folder must be downloaded to be fingerprinted
-        files[key[len(folder) + 1 :]] = etag
-    return fingerprint_listing(files) if files else None
+
+
+def remote_fingerprint(fs, folder: str, sub: str, files: dict[str, Any]) -> tuple[str, str | None]:
+    """local_fingerprint of FOLDER/SUB from the MD5s its marker recorded, once the listing's sizes match them;
+    (fingerprint, None) or ("", why not)."""
+    record = {rel[len(sub) + 1 :]: r for rel, r in files.items() if rel.startswith(f"{sub}/")}
+    if not record or not all(isinstance(r, dict) and "md5" in r for r in record.values()):
+        return "", "its marker records no MD5s (written by an older smolflow): download it to evaluate it"
+    try:
+        listing = with_retries(f"list {folder}/{sub}", lambda: fs.find(f"{folder}/{sub}", detail=True))
+    except FileNotFoundError:
+        listing = {}
+    sizes = {key[len(folder) + len(sub) + 2 :]: info.get("size") for key, info in listing.items()}
+    wrong = sorted(rel for rel, r in record.items() if sizes.get(rel) != r["size"])
+    if wrong:
+        return "", f"{len(wrong)} file(s) missing or of another size than recorded ({', '.join(wrong[:3])})"
+    return fingerprint_listing({rel: r["md5"] for rel, r in record.items()}), None
 
 
 class ResultStore:
@@ -225,10 +240,9 @@ class ResultStore:
     def claim(self, fingerprint: str) -> Iterator[bool]:
         """Yields True when this process may evaluate the model; False while another live process is."""
         self.lock_dir.mkdir(parents=True, exist_ok=True)
-        lock = self.lock_dir / f"{fingerprint}.lock"
-        owned = take_lock(lock)
+        lock = acquire(self.lock_dir / f"{fingerprint}.lock")
         try:
-            yield owned
+            yield lock is not None
         finally:
-            if owned:
-                lock.unlink(missing_ok=True)
+            if lock is not None:
+                lock.release()

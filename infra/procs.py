@@ -1,0 +1,123 @@
+"""Processes by identity (pid *and* start time), killing whole trees, and children that die with their owner.
+
+A pid alone names a process only while it lives: after it exits the kernel may give the number
+to another, so anything recorded to kill or wait for later is a `Proc` (host, pid, start time).
+
+`python -m infra.procs OWNER -- COMMAND...` runs COMMAND (a launcher: torchrun, deepspeed) so that
+the kernel kills it when the thread that started it dies (PR_SET_PDEATHSIG survives exec); ranks
+further down the tree watch the owner named in SMOLFLOW_OWNER (`watch_owner`), because launchers
+start them in sessions and processes of their own where no signal follows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psutil
+
+OWNER_ENV = "SMOLFLOW_OWNER"  # "PID:START" of the task process that owns a launched tree
+HOST = socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Proc:
+    host: str
+    pid: int
+    started: float  # psutil create_time: with the pid, names one process for good
+
+    @classmethod
+    def of(cls, pid: int | None = None) -> Proc:
+        pid = os.getpid() if pid is None else pid
+        return cls(HOST, pid, psutil.Process(pid).create_time())
+
+    @classmethod
+    def load(cls, data: dict[str, Any]) -> Proc:
+        return cls(str(data.get("host", "")), int(data.get("pid", -1)), float(data.get("started", 0.0)))
+
+    def dump(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def process(self) -> psutil.Process | None:
+        """The live process on this host, or None (gone, another host's, or its pid reused)."""
+        if self.host != HOST:
+            return None
+        try:
+            proc = psutil.Process(self.pid)
+            return proc if abs(proc.create_time() - self.started) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE else None
+        except psutil.Error:
+            return None
+
+
+def kill_tree(pid: int | psutil.Process) -> None:
+    """SIGKILL a process and every descendant (children first), and reap them."""
+    try:
+        parent = pid if isinstance(pid, psutil.Process) else psutil.Process(pid)
+        procs = parent.children(recursive=True) + [parent]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def owner_env() -> dict[str, str]:
+    me = Proc.of()
+    return {OWNER_ENV: f"{me.pid}:{me.started}"}
+
+
+def watch_owner(poll_s: float = 1.0) -> None:
+    """In a rank: exit at once when the task process that launched the job is gone (see module doc)."""
+    value = os.environ.get(OWNER_ENV)
+    if not value:
+        return
+    pid, started = value.split(":")
+    owner = Proc(HOST, int(pid), float(started))
+
+    def watch() -> None:
+        while owner.process() is not None:
+            time.sleep(poll_s)
+        try:
+            print(f"the task process {owner.pid} that launched this job is gone: exiting", flush=True)
+        except OSError:
+            pass  # its output went to the task's pipe, gone with it
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="watch-owner").start()
+
+
+def die_with_parent(expected_parent: int | None = None) -> None:
+    """Ask the kernel to SIGKILL this process when its parent thread dies; exit now if it already has."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() == 1 or (expected_parent is not None and os.getppid() != expected_parent):
+        sys.exit(1)
+
+
+def tethered(command: list[str]) -> list[str]:
+    """COMMAND, run so that it dies with the calling thread (see module doc)."""
+    return [sys.executable, "-m", "infra.procs", str(os.getpid()), "--", *command]
+
+
+def main() -> None:
+    parent, sep, *command = sys.argv[1:]
+    if sep != "--" or not command:
+        sys.exit("usage: python -m infra.procs OWNER_PID -- COMMAND...")
+    die_with_parent(int(parent))
+    os.execvp(command[0], command)
+
+
+if __name__ == "__main__":
+    main()
