@@ -3,8 +3,9 @@
     source .smolflow/env && python bench/orchestration.py runs/tiny [--flow-run ID]
 
 Wall time is the flow run's, from the Prefect API (the newest completed full-pipeline run unless
-an id is given). Work is the time inside task runs (the union of their intervals: the eval follower
-overlaps training), gathered over the run and its subflow runs; the rest is orchestration: flow
+an id is given). Work is the time inside task runs (the union of their intervals), gathered over the
+run and its subflow runs, less the eval follower: its task spans the whole pretraining stage, start-ups
+between phases included, so counting it would hide them; the rest is orchestration: flow
 and subflow start-up, imports, state round trips between tasks. Printed as shares of the wall
 time, so the figure holds on a noisy machine. Steps' own timings come from their manifests.
 """
@@ -12,17 +13,23 @@ time, so the figure holds on a noisy machine. Steps' own timings come from their
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import urllib.request
 from datetime import datetime
 from pathlib import Path
 
+FOLLOWER = "eval-follow"  # the task name of tasks/evaluate.py follow_checkpoints
+
 
 def api(path: str, body: dict | None = None):
     url = os.environ.get("PREFECT_API_URL", "http://127.0.0.1:4200/api") + path
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if auth := os.environ.get("PREFECT_API_AUTH_STRING"):  # `make serve`'s server asks for it (.smolflow/env)
+        headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
+    request = urllib.request.Request(url, data=data, headers=headers)
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
 
@@ -63,7 +70,9 @@ def main() -> None:
         if len(page) < 200:
             break
     intervals = sorted(
-        (when(t["start_time"]), when(t["end_time"])) for t in tasks if t["id"] not in wrappers and t["start_time"] and t["end_time"]
+        (when(t["start_time"]), when(t["end_time"]))
+        for t in tasks
+        if t["id"] not in wrappers and t["start_time"] and t["end_time"] and not t["name"].startswith(FOLLOWER)
     )
     inside, cursor = 0.0, 0.0
     for a, b in intervals:

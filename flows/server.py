@@ -1,7 +1,9 @@
 """A local Prefect server, work pool, worker and crash automation: `smolflow server start|stop|status`.
 
 Everything lives under the project's state dir (`.smolflow/`, or $SMOLFLOW_STATE): the SQLite
-database, PREFECT_HOME, logs and PID files. The server listens on 127.0.0.1 only. `start` is
+database, PREFECT_HOME, logs and PID files. The server listens on 127.0.0.1 only and asks for an
+auth string (generated once into `.smolflow/auth`, mode 0600; `source .smolflow/env`, also 0600, gives
+it to the prefect CLI), so another local user cannot run a deployment with recipe values of theirs. `start` is
 idempotent (a running server or worker is left alone); `stop` stops workers before the server,
 since a worker whose server vanished first retries its connection instead of exiting.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -54,6 +57,16 @@ class Server:
     def ui_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/"
 
+    def auth(self) -> str:
+        """The server's basic-auth string, made on first use and readable by this user only."""
+        path = self.state / "auth"
+        if not path.exists():
+            self.state.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"smolflow:{secrets.token_urlsafe(24)}")
+        return path.read_text().strip()
+
     def env(self) -> dict[str, str]:
         """The environment of the server, the worker and the user's Prefect commands."""
         return {
@@ -66,6 +79,8 @@ class Server:
             "PREFECT_SERVER_API_PORT": str(self.port),
             "SMOLFLOW_ROOT": str(self.root),
             "SMOLFLOW_STATE": str(self.state),
+            "PREFECT_SERVER_API_AUTH_STRING": self.auth(),
+            "PREFECT_API_AUTH_STRING": self.auth(),
         }
 
     # --- processes ------------------------------------------------------------------------
@@ -99,7 +114,10 @@ class Server:
 
     def start(self, timeout_s: float = 180, worker: bool = True, say=print) -> None:
         self.state.mkdir(parents=True, exist_ok=True)
-        (self.state / "env").write_text(self.env_script())
+        env_file = self.state / "env"
+        env_file.touch(mode=0o600)
+        env_file.chmod(0o600)
+        env_file.write_text(self.env_script())
         if self.pid("server") is None:
             if self.healthy():
                 raise SmolflowError(f"port {self.port} already has a Prefect server that smolflow did not start; set SMOLFLOW_PORT")
@@ -161,7 +179,7 @@ class Server:
         }
 
     def env_script(self) -> str:
-        keep = ("PREFECT_HOME", "PREFECT_API_URL", "SMOLFLOW_ROOT", "SMOLFLOW_STATE", *OFFLINE_DEFAULTS)
+        keep = ("PREFECT_HOME", "PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "SMOLFLOW_ROOT", "SMOLFLOW_STATE", *OFFLINE_DEFAULTS)
         env = self.env()
         lines = [f". {self.root / '.venv' / 'bin' / 'activate'}"] + [f"export {k}={env[k]!r}" for k in keep]
         return "# source this file to use the local Prefect server from a shell\n" + "\n".join(lines) + "\n"

@@ -73,6 +73,7 @@ class ExecutorCfg(Strict):
     tasks: int = Field(2, gt=0, description="shards a pipeline is split into (shard files and token order depend on it)")
     workers: int = operational(2, gt=0, description="shards run at once (local executor)")
     slurm: SlurmCfg = operational(SlurmCfg())
+    timeout_hours: float = operational(48, gt=0, description="a cluster pipeline still incomplete after this long fails its task")
 
 
 class S3Cfg(Strict):

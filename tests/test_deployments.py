@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -44,9 +46,12 @@ def prefect(server: Server, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([PREFECT, *args], env=server.env(), cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
-def api(server: Server, path: str, body: dict | None = None):
+def api(server: Server, path: str, body: dict | None = None, auth: bool = True):
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(f"{server.api_url}{path}", data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if auth:
+        headers["Authorization"] = "Basic " + base64.b64encode(server.auth().encode()).decode()
+    request = urllib.request.Request(f"{server.api_url}{path}", data=data, headers=headers)
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
 
@@ -70,6 +75,15 @@ def wait_final(server: Server, run_id: str, timeout_s: float = 1500) -> dict:
     pytest.fail(f"flow run {run_id} did not finish in {timeout_s:.0f} s")
 
 
+def trainer_processes() -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "model.train" in cmd and "infra.procs" not in cmd:
+            found.append(p)
+    return found
+
+
 def state_history(server: Server, run_id: str) -> list[str]:
     return [s["type"] for s in api(server, f"/flow_run_states/?flow_run_id={run_id}")]
 
@@ -78,21 +92,43 @@ def flow_run_processes(server: Server) -> list[psutil.Process]:
     return psutil.Process(server.pid("worker")).children(recursive=True)
 
 
+def test_the_server_refuses_requests_without_its_auth_string(server):
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        api(server, "/deployments/filter", {}, auth=False)
+    assert api(server, "/deployments/filter", {})  # with it: the deployments
+    for name in ("auth", "env"):
+        assert (server.state / name).stat().st_mode & 0o077 == 0, f"{name} is readable by others"
+
+
 def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_eval(server, tmp_path):
     recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe(**{"pretrain.checkpoint.every_steps": 10}))
     run_dir = tmp_path / "run"
     params = {"recipe": str(recipe), "run_dir": str(run_dir), "overrides": SFT_QUICK, "until": "sft"}
     run_id = run_deployment(server, "full-pipeline/tiny", params)
 
-    # kill the flow run's processes (flow + trainer) once a pretraining checkpoint exists: a crashed worker job
+    # SIGKILL only the flow run's own process (an OOM kill, a lost worker) once a pretraining checkpoint exists:
+    # its trainer must die with it, and no two trainers may ever run at once
     deadline = time.time() + 900
     while not list((run_dir / ".partial" / "pretrain_phase1" / "checkpoints").glob("step*/checkpoint.json")):
         assert time.time() < deadline, "pretraining never wrote a checkpoint"
         time.sleep(0.5)
-    victims = flow_run_processes(server)
-    assert victims, "no flow run process under the worker"
-    for proc in victims:
-        proc.kill()
+    flow_process = psutil.Process(server.pid("worker")).children()
+    trainers = [p for p in flow_run_processes(server) if "model.train" in " ".join(p.cmdline())]
+    assert len(flow_process) == 1 and trainers, "a flow run process with its trainer under the worker"
+    flow_process[0].kill()
+    _, alive = psutil.wait_procs(trainers, timeout=20)
+    assert not alive, "the trainer outlived the flow run process"
+
+    most, deadline = 0, time.time() + 1500
+    while time.time() < deadline:
+        most = max(most, len(trainer_processes()))
+        try:
+            if api(server, f"/flow_runs/{run_id}")["state_type"] in ("COMPLETED", "FAILED", "CANCELLED"):
+                break
+        except OSError:  # a busy 2-core machine: the server may answer late
+            pass
+        time.sleep(1)
+    assert most <= 1, f"{most} trainers alive at once"
 
     run = wait_final(server, run_id)
     history = state_history(server, run_id)

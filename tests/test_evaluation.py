@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,32 @@ def test_step_lock_refuses_a_second_builder_and_survives_a_dead_one(tmp_path):
         holder.wait()
     out = run_step(tmp_path, Step("train", "test", lambda cfg, inputs, out: built.append(out) or {"ok": True}, EvalCfg()), {})
     assert out.summary == {"ok": True} and len(built) == 1 and not lock.exists()
+
+
+def test_the_eval_follower_waits_for_a_model_claimed_elsewhere_without_spinning_and_leaves_it_when_stopped(tmp_path, heldout):
+    import threading
+
+    ev = evaluator(tmp_path, heldout, EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], poll_seconds=0.5))
+    store = ev.store
+    store.lock_dir.mkdir(parents=True)
+    model = ModelRef(str(tmp_path), "fp1", "phase1/step00000005", "checkpoint", "phase1")
+    holder = holding(store.lock_dir / "fp1.lock")
+    scans, stop = [], threading.Event()
+
+    def discover():
+        scans.append(time.time())
+        return [model]
+
+    try:
+        threading.Timer(3.0, stop.set).start()
+        started = time.time()
+        summary = ev.follow(discover, stop)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert time.time() - started < 10, "the follower ends once stopped, leaving the model to its claimant"
+    assert summary.busy == [model.label] and summary.evaluated == []
+    assert len(scans) <= 3 / 0.5 + 2, f"{len(scans)} scans in 3 s: it spins instead of polling"
 
 
 def test_prune_holds_checkpoints_until_evaluated(tmp_path):

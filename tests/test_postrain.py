@@ -128,8 +128,25 @@ def sft_model(base, tmp_path_factory) -> Path:
     return out
 
 
+def completion_logps(model_path: Path, pairs: list[dict], side: str) -> list[float]:
+    """Log-probability of each pair's SIDE answer after its prompt, under the model at MODEL_PATH."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok, model = AutoTokenizer.from_pretrained(model_path), AutoModelForCausalLM.from_pretrained(model_path).eval()
+    out = []
+    for pair in pairs:
+        prefix = tok.apply_chat_template(pair["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        full = tok.apply_chat_template(pair["prompt"] + pair[side], tokenize=True, return_dict=False)
+        ids = torch.tensor([full])
+        with torch.no_grad():
+            logps = torch.log_softmax(model(ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+        out.append(float(logps[len(prefix) - 1 :].sum()))
+    return out
+
+
 @pytest.mark.slow
-def test_apo_runs_with_finite_losses(sft_model, tmp_path):
+def test_apo_raises_the_chosen_over_rejected_margin_on_its_pairs(sft_model, tmp_path):
     from postrain.apo import run_apo
 
     items = chat.generate(24, {"arithmetic": 1.0}, 49, 4)
@@ -141,29 +158,52 @@ def test_apo_runs_with_finite_losses(sft_model, tmp_path):
         }
         for i in items
     ]
-    cfg = APOCfg(learning_rate=1e-4, max_steps=4, batch_size=8, save_steps=2, logging_steps=1, loss_type=["apo_zero", "sft"])
+    cfg = APOCfg(learning_rate=1e-3, max_steps=6, batch_size=8, save_steps=3, logging_steps=1, loss_type=["apo_zero", "sft"])
     result = run_apo(str(sft_model / "final"), pairs, cfg, tmp_path, seed=0)
-    assert len(result["loss"]) == 4 and all(math.isfinite(v) for _, v in result["loss"])
-    assert (tmp_path / "final" / "model.safetensors").exists()
+    assert len(result["loss"]) == 6 and all(math.isfinite(v) for _, v in result["loss"])
+
+    def margin(model_path: Path) -> float:
+        chosen, rejected = completion_logps(model_path, pairs, "chosen"), completion_logps(model_path, pairs, "rejected")
+        return sum(c - r for c, r in zip(chosen, rejected)) / len(pairs)
+
+    before, after = margin(sft_model / "final"), margin(tmp_path / "final")
+    assert after > before + 1.0, f"chosen-over-rejected log-prob margin {before:.2f} -> {after:.2f}"
 
 
 @pytest.mark.slow
-def test_grpo_runs_with_finite_rewards(sft_model, tmp_path):
-    from postrain.grpo import run_grpo
+def test_grpo_raises_the_correctness_reward_on_a_task_the_model_can_learn(base, tmp_path):
+    """A model taught to answer any question with a random one of 1-4, where 3 is always right: GRPO's correctness
+    reward alone (no length term) must move it towards 3."""
+    import random
 
-    items = chat.generate(16, {"arithmetic": 1.0}, 49, 5)
-    cfg = GRPOCfg(
-        learning_rate=1e-5,
-        max_steps=2,
-        batch_size=8,
-        num_generations=4,
-        max_completion_length=16,
-        target_length=8,
-        save_steps=1,
-        logging_steps=1,
+    from postrain.grpo import run_grpo
+    from postrain.sft import run_sft
+
+    rng = random.Random(0)
+    rows = [
+        chat.example(item["prompt"][0]["content"], f"The answer is {rng.randint(1, 4)}.", "3", "arithmetic")
+        for item in chat.generate(800, {"arithmetic": 1.0}, 49, 8)
+    ]
+    sft_cfg = SFTCfg(
+        learning_rate=3e-3, max_steps=300, batch_size=16, save_steps=200, logging_steps=40, weak_checkpoint_step=1, max_length=96
     )
-    result = run_grpo(str(sft_model / "final"), items, cfg, tmp_path, seed=0)
-    assert len(result["reward"]) == 2 and all(math.isfinite(v) for _, v in result["reward"])
+    run_sft(str(base), rows, sft_cfg, tmp_path / "guesser", seed=0)
+    cfg = GRPOCfg(
+        learning_rate=3e-3,
+        max_steps=16,
+        batch_size=64,
+        num_generations=8,
+        max_completion_length=12,
+        target_length=8,
+        reward_weights={"correctness": 1.0},
+        save_steps=100,
+        logging_steps=1,
+        temperature=1.0,
+    )
+    result = run_grpo(str(tmp_path / "guesser" / "final"), rows[:200], cfg, tmp_path / "grpo", seed=0)
+    rewards = [v for _, v in result["reward"]]
+    assert len(rewards) == 16 and all(math.isfinite(v) for v in rewards)
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.15, str(rewards)
 
 
 @pytest.mark.slow

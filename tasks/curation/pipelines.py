@@ -35,7 +35,7 @@ from datatrove.pipeline.writers import JsonlWriter
 from datatrove.utils.hashing import create_hash_func
 from datatrove.utils.text import TextNormConfig, ngrams, simplify_text
 
-from infra.errors import DataError
+from infra.errors import DataError, SmolflowError
 from infra.recipe import DecontaminateCfg, DedupCfg, ExecutorCfg, S3Cfg, SourceCfg
 from tasks.curation.filters import HeldOutSplit, build_filters
 from tasks.curation.readers import list_source_files, make_reader
@@ -76,12 +76,24 @@ def make_executor(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: in
     return RayPipelineExecutor(pipeline, tasks=tasks, workers=cfg.workers, logging_dir=str(logging_dir))
 
 
+class ClusterTimeout(SmolflowError):
+    """A cluster pipeline ran past its time budget; a retry reruns only its incomplete tasks."""
+
+    retryable = True
+
+
 def run_pipeline(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: int, job_name: str) -> list[dict]:
     """Run to completion (cluster executors are polled) and return the per-step counters."""
     executor = make_executor(cfg, pipeline, logging_dir, tasks, job_name)
     log.info("%s: %d task(s) on the %s executor", job_name, tasks, cfg.kind)
     executor.run()
+    deadline = time.time() + cfg.timeout_hours * 3600
     while cfg.kind != "local" and (left := executor.get_incomplete_ranks()):
+        if time.time() > deadline:
+            raise ClusterTimeout(
+                f"{job_name}: {len(left)} of {tasks} tasks still incomplete after {cfg.timeout_hours:g} h (executor.timeout_hours); "
+                f"their logs are in {logging_dir / 'logs'}; a retry runs only the incomplete ones"
+            )
         log.info("%s: waiting for %d of %d tasks", job_name, len(left), tasks)
         time.sleep(30)
     return read_stats(logging_dir)

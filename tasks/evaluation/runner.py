@@ -103,18 +103,23 @@ class Evaluator:
         return summary
 
     def follow(self, discover: Callable[[], list[ModelRef]], stop: threading.Event, max_failures: int = 2) -> EvalSummary:
-        """Evaluate new checkpoints as `discover` finds them, until `stop` is set and none is left."""
+        """Evaluate new checkpoints as `discover` finds them, until `stop` is set and nothing is left that this
+        process can score: a model another process is scoring is waited for (one poll at a time, never in a
+        busy loop) while training runs, and left to that process (counted as busy) once `stop` is set."""
         summary, started, failures = EvalSummary(), time.time(), {}
         while True:
             finishing = stop.is_set()
             todo = [m for m in discover() if self.task_groups(m) and failures.get(m.fingerprint, 0) < max_failures]
+            busy = len(summary.busy)
             for model in todo:
                 if not self.evaluate(model, summary):
                     failures[model.fingerprint] = failures.get(model.fingerprint, 0) + 1
-            if finishing and not todo:
+            progressed = len(todo) > len(summary.busy) - busy  # some model was not left to another process
+            if finishing and not progressed:
                 break
-            if not todo:
+            if not progressed:
                 stop.wait(self.cfg.poll_seconds)
+        summary.busy = sorted(set(summary.busy) - set(summary.evaluated))
         summary.failed = {k: v for k, v in summary.failed.items() if k not in summary.evaluated}
         summary.seconds = time.time() - started
         return summary
