@@ -1,15 +1,20 @@
-"""Failure drills on a micro recipe: kill the pipeline at random moments, cut S3 during uploads.
+"""Failure drills on a micro recipe: kill every training stage and the evaluator, cut S3, fill a disk.
 
-    python bench/drills.py --kills 3 --seed 0
+    python bench/drills.py --kills 20 --outage-seconds 60 --seed 0
 
-1. Reference: the pipeline (curate -> pretrain -> SFT -> evaluate) runs once, uninterrupted.
-2. Kill drill: the same pipeline in a fresh run dir is SIGKILLed N times at random moments (either
-   the whole flow process group, or only the deepest child: a trainer or a datatrove worker) and
-   restarted each time. Afterwards: it completed, every kept checkpoint is complete, no step lock
-   is left, and final metrics (loss per stage, SFT loss, every evaluation) equal the reference's.
-3. S3 drill: pretraining mirrors to a moto S3 server reached through a TCP proxy; the proxy is cut
-   for a few seconds at random moments while checkpoints upload, then restored. Afterwards every
+1. Reference: the pipeline (curate -> pretrain -> SFT -> pairs -> APO -> GRPO -> evaluate) runs once.
+2. Kill drill: the same pipeline in a fresh run dir is SIGKILLed N times, each time while a chosen
+   target runs (a pretraining trainer, SFT, APO, GRPO, an evaluation child), either the whole flow
+   process group or only that process, and restarted. A watcher counts trainers alive at once.
+   Afterwards: it completed, every kept checkpoint is complete, no lock is left, no two trainers ever
+   ran at once, and final metrics (losses per stage, post-training curves, every evaluation) equal
+   the reference's.
+3. S3 drill: pretraining mirrors to a moto S3 server reached through a TCP proxy, cut for
+   --outage-seconds (longer than the upload retry budget) while a checkpoint uploads. Afterwards every
    step and checkpoint is on S3 with its marker, and no upload was given up.
+4. Full-disk drill (root: a tmpfs): a pretraining phase whose checkpoints go to a disk that holds two
+   of them and no more finishes with the losses of the reference phase (it prunes before saving), and
+   one on a disk too small for any fails naming the folder and the space needed.
 
 Prints one line per event and a summary table; exits non-zero if a check fails.
 """
@@ -38,11 +43,31 @@ sys.path.insert(0, str(REPO))
 
 SMOLFLOW = str(Path(sys.executable).with_name("smolflow"))
 MICRO = REPO / "configs" / "micro.yaml"
-QUICK = ["postrain.sft.max_steps=20", "postrain.sft.weak_checkpoint_step=5", "postrain.data.generated=300", "postrain.data.heldout=20"]
+QUICK = [  # a short ladder that still yields preference pairs (a weak and a stronger SFT model)
+    "postrain.sft.max_steps=150",
+    "postrain.sft.weak_checkpoint_step=10",
+    "postrain.sft.save_steps=25",
+    "postrain.data.generated=1500",
+    "postrain.data.heldout=40",
+    "postrain.preference.prompts=120",
+    "postrain.apo.max_steps=12",
+    "postrain.apo.save_steps=4",
+    "postrain.grpo.max_steps=6",
+    "postrain.grpo.save_steps=2",
+    "postrain.grpo.prompts=64",
+]
+# what each kill waits for: a process whose command line holds the marker, or a stage's partial folder
+TARGETS = {
+    "trainer": ("model.train", None),
+    "evaluator": ("tasks.evaluation.harness", None),
+    "sft": (None, "sft"),
+    "apo": (None, "apo"),
+    "grpo": (None, "grpo"),
+}
 
 
-def start_pipeline(recipe: Path, run_dir: Path, log_path: Path, extra: list[str] = ()) -> subprocess.Popen:
-    command = [SMOLFLOW, "run", str(recipe), "--run-dir", str(run_dir), "--until", "sft"]
+def start_pipeline(recipe: Path, run_dir: Path, log_path: Path, extra: list[str] = (), until: str | None = None) -> subprocess.Popen:
+    command = [SMOLFLOW, "run", str(recipe), "--run-dir", str(run_dir)] + (["--until", until] if until else [])
     for item in QUICK + list(extra):
         command += ["--set", item]
     log = open(log_path, "ab")
@@ -55,9 +80,12 @@ def final_metrics(run_dir: Path) -> dict:
     for manifest in sorted(run_dir.glob("pretrain_*/manifest.json")):
         summary = json.loads(manifest.read_text())["summary"]
         out[manifest.parent.name] = round(summary["final_loss"], 5)
-    sft = json.loads((run_dir / "sft" / "manifest.json").read_text())["summary"]
-    out["sft_loss"] = [[step, round(loss, 4)] for step, loss in sft["loss"]]
-    out["sft_accuracy"] = sft["eval"]["accuracy"]
+    for stage in ("sft", "apo", "grpo"):
+        summary = json.loads((run_dir / stage / "manifest.json").read_text())["summary"]
+        for curve in ("loss", "reward"):
+            if curve in summary:
+                out[f"{stage}_{curve}"] = [[step, round(value, 4)] for step, value in summary[curve]]
+        out[f"{stage}_accuracy"] = summary["eval"]["accuracy"]
     for record in sorted((run_dir / "evals" / "results").glob("*.json")):
         data = json.loads(record.read_text())
         for task, entry in data["tasks"].items():
@@ -94,44 +122,91 @@ def compare(reference: dict, drilled: dict, rel: float = 1e-4) -> list[str]:
     return diffs
 
 
-def kill_somewhere(proc: subprocess.Popen, rng: random.Random) -> str:
-    """SIGKILL the whole process group, or only its deepest descendant (a trainer, a datatrove worker)."""
-    children = psutil.Process(proc.pid).children(recursive=True)
-    if children and rng.random() < 0.5:
-        victim = children[-1]
-        name = " ".join(victim.cmdline()[1:4])
-        victim.kill()
-        proc.wait()  # the flow fails the task after retries, or finishes the step: either way it ends
-        return f"child ({name})"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    return "process group"
+class TrainerWatch:
+    """Counts pretraining trainers alive at once under one run dir, polling every 0.2 s."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.most, self._stop = str(run_dir), 0, threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            alive = 0
+            for proc in psutil.process_iter(["cmdline"]):
+                cmd = proc.info["cmdline"] or []
+                if "model.train" in cmd and "infra.procs" not in cmd and any(self.run_dir in part for part in cmd):
+                    alive += 1
+            self.most = max(self.most, alive)
+
+    def stop(self) -> int:
+        self._stop.set()
+        return self.most
 
 
-def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random, reference_seconds: float) -> tuple[int, list[str]]:
+def wait_for(target: str, proc: subprocess.Popen, run_dir: Path, timeout_s: float) -> psutil.Process | None:
+    """The process to kill once TARGET runs (None: the target's stage is running in the flow process)."""
+    marker, stage = TARGETS[target]
+    deadline = time.time() + timeout_s
+    while proc.poll() is None and time.time() < deadline:
+        if marker:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    if marker in child.cmdline() and any(str(run_dir) in part for part in child.cmdline()):
+                        return child
+                except psutil.NoSuchProcess:
+                    pass
+        elif (run_dir / ".partial" / stage / "checkpoints").is_dir() or (run_dir / ".partial" / stage / ".step_id").exists():
+            return None
+        time.sleep(0.05)
+    raise TimeoutError(target)
+
+
+def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tuple[int, int, list[str]]:
+    """Returns (kills made, most trainers alive at once, problems)."""
     run_dir, log = work / "killed", work / "killed.log"
-    restarts = 0
-    for attempt in range(kills):
-        proc = start_pipeline(recipe, run_dir, log)
-        delay = rng.uniform(3, reference_seconds * 0.8)
+    watch, made, order = TrainerWatch(run_dir), 0, list(TARGETS)
+    proc = start_pipeline(recipe, run_dir, log)
+    while made < kills:
+        target = order[made % len(order)] if made < len(order) else rng.choice(order)
         try:
-            proc.wait(timeout=delay)
-            print(f"  kill {attempt + 1}: the run finished before its kill at {delay:.0f} s", flush=True)
-            break
-        except subprocess.TimeoutExpired:
-            what = kill_somewhere(proc, rng)
-            restarts += 1
-            steps = sorted(p.parent.name for p in run_dir.glob("*/manifest.json"))
-            print(f"  kill {attempt + 1}: SIGKILL {what} at {delay:.0f} s; finished steps so far: {len(steps)}", flush=True)
-    for _ in range(3):  # a kill of a child may fail the run; the rerun resumes
-        proc = start_pipeline(recipe, run_dir, log)
+            victim = wait_for(target, proc, run_dir, timeout_s=1800)
+        except TimeoutError:
+            if proc.poll() is None:
+                return made, watch.stop(), [f"{target} never ran within 30 min (see {log})"]
+            if (run_dir / "reports" / "card.md").exists() and proc.returncode == 0:
+                print(f"  the run finished before a kill of {target}: its stage was already done", flush=True)
+                order.remove(target) if target in order and len(order) > 1 else None
+                if len(order) == 1 and (run_dir / order[0] / "manifest.json").exists():
+                    break
+            proc = start_pipeline(recipe, run_dir, log)
+            continue
+        time.sleep(rng.uniform(0.5, 8))  # somewhere inside the stage, not at its first instant
+        if victim is not None and rng.random() < 0.5:
+            what = f"only the {target} (pid {victim.pid})"
+            try:
+                victim.kill()
+            except psutil.NoSuchProcess:
+                continue
+            proc.wait()  # the flow retries the task (resuming) or fails the run: either way it ends or goes on
+        else:
+            what = f"the whole run while {target} ran"
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        made += 1
+        steps = sorted(p.parent.name for p in run_dir.glob("*/manifest.json"))
+        print(f"  kill {made}: SIGKILL {what}; finished steps so far: {len(steps)}", flush=True)
+        if proc.poll() is not None:
+            proc = start_pipeline(recipe, run_dir, log)
+    for _ in range(4):  # finish: a kill of a child may have failed the run; the rerun resumes
         if proc.wait() == 0:
             break
-        restarts += 1
-        print("  the run after the kill failed; rerunning it", flush=True)
+        print("  the run after the kills failed; rerunning it", flush=True)
+        proc = start_pipeline(recipe, run_dir, log)
     else:
-        return restarts, [f"the pipeline did not complete after the kills (see {log})"]
-    return restarts, integrity(run_dir)
+        return made, watch.stop(), [f"the pipeline did not complete after the kills (see {log})"]
+    most = watch.stop()
+    problems = integrity(run_dir) + ([f"{most} trainers were alive at once"] if most > 1 else [])
+    return made, most, problems
 
 
 class Proxy:
@@ -184,7 +259,7 @@ class Proxy:
         self.up.set()
 
 
-def s3_drill(work: Path, rng: random.Random, outages: int) -> tuple[int, list[str]]:
+def s3_drill(work: Path, rng: random.Random, outages: int, seconds: float) -> tuple[int, list[str]]:
     port = _free_port()
     moto = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -199,19 +274,25 @@ def s3_drill(work: Path, rng: random.Random, outages: int) -> tuple[int, list[st
         s3fs.S3FileSystem(client_kwargs={"endpoint_url": f"http://127.0.0.1:{port}"}).mkdir("drill")
         run_dir, log = work / "s3run", work / "s3run.log"
         settings = [f"storage.s3.endpoint_url={endpoint}", "storage.mirror=s3://drill/run", "evaluation.follow=false"]
-        proc = start_pipeline(MICRO, run_dir, log, settings)
-        cut = 0
+        proc = start_pipeline(MICRO, run_dir, log, settings, until="pretrain")
+        cut, seen = 0, 0
         while proc.poll() is None and cut < outages:
             uploading = list(run_dir.glob(".partial/pretrain_*/checkpoints/step*/checkpoint.json"))
-            if uploading and rng.random() < 0.2:
-                seconds = rng.uniform(2, 6)
-                proxy.cut()
-                time.sleep(seconds)
-                proxy.restore()
-                cut += 1
-                print(f"  outage {cut}: S3 cut for {seconds:.1f} s during pretraining ({len(uploading)} checkpoints so far)", flush=True)
-            time.sleep(1)
-        if proc.wait() != 0:
+            if len(uploading) > seen:  # a checkpoint was just committed: its upload is starting
+                seen = len(uploading)
+                if rng.random() < 0.5:
+                    proxy.cut()
+                    time.sleep(seconds)
+                    proxy.restore()
+                    cut += 1
+                    print(f"  outage {cut}: S3 cut for {seconds:.0f} s as checkpoint {seen} uploaded", flush=True)
+            time.sleep(0.2)
+        for _ in range(3):  # the cap on checkpoints waiting for S3 may have failed the trainer: a rerun resumes
+            if proc.wait() == 0:
+                break
+            print("  the mirrored run failed (the outage outlasted its retries); rerunning it", flush=True)
+            proc = start_pipeline(MICRO, run_dir, log, settings, until="pretrain")
+        else:
             return cut, [f"the mirrored run failed (see {log})"]
         from infra.recipe import load_recipe
         from infra.steps import MANIFEST
@@ -254,41 +335,100 @@ def _wait_port(port: int) -> None:
     raise RuntimeError(f"nothing listens on {port}")
 
 
+def disk_drill(work: Path) -> tuple[str, list[str]]:
+    """The reference's first pretraining phase again, its checkpoints (5 of them, 2 kept) on a tmpfs that holds
+    two and a half, then on one that holds half of one."""
+    if os.geteuid() != 0:
+        return "skipped (mounting a tmpfs needs root)", []
+    from infra.launch import launch_command, launch_env, run_streaming
+    from infra.recipe import LauncherCfg
+    from model.checkpoint import checkpoint_bytes
+    from model.train import TrainJob
+
+    phase = work / "reference" / "pretrain_phase1"
+    reference = TrainJob.model_validate_json((phase / "job.json").read_text())
+    every = max(1, reference.config.schedule.steps // 5)
+    config = reference.config.model_copy(update={"checkpoint": reference.config.checkpoint.model_copy(update={"every_steps": every})})
+    launcher = LauncherCfg(kind="python", nproc=1, threads_per_rank=2)
+    size = checkpoint_bytes(max((phase / "checkpoints").glob("step*")))
+    problems, mounts, codes = [], [], {}
+    try:
+        for name, factor in (("small", 2.6), ("full", 0.5)):
+            disk, out = work / f"disk-{name}", work / f"disk-{name}-out"
+            disk.mkdir()
+            out.mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(factor * size)}", "tmpfs", str(disk)], check=True)
+            mounts.append(disk)
+            job = reference.model_copy(update={"config": config, "out_dir": str(out), "checkpoint_dir": str(disk / "ckpt"), "mirror": None})
+            (out / "job.json").write_text(job.model_dump_json())
+            lines: list[str] = []
+            command = launch_command(launcher, "model.train", [str(out / "job.json")], 0)
+            codes[name] = run_streaming(command, launch_env(launcher), lines.append)
+            if name == "small":
+                losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()] if codes[name] == 0 else []
+                expected = [json.loads(line)["loss"] for line in (phase / "metrics.jsonl").read_text().splitlines()]
+                if losses != expected:
+                    problems.append(f"a phase on a disk for two checkpoints ended (exit {codes[name]}) without the reference losses")
+            elif codes[name] == 0 or not any("DiskFull" in line and str(disk) in line for line in lines):
+                problems.append("a disk too small for a checkpoint did not fail with a message naming it")
+    finally:
+        for disk in mounts:
+            subprocess.run(["umount", "-l", str(disk)], check=False)
+    sizes = f"tmpfs of 2.6x (exit {codes.get('small')}) and 0.5x (exit {codes.get('full')})"
+    return f"checkpoints of {size / 2**20:.1f} MiB every {every} steps on {sizes}", problems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kills", type=int, default=3, help="SIGKILLs in the kill drill")
-    parser.add_argument("--outages", type=int, default=2, help="S3 outages in the S3 drill")
+    parser.add_argument("--kills", type=int, default=5, help="SIGKILLs in the kill drill (each target once, then at random)")
+    parser.add_argument("--outages", type=int, default=1, help="S3 outages in the S3 drill")
+    parser.add_argument("--outage-seconds", type=float, default=60, help="how long each S3 outage lasts")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workdir", type=Path, default=None, help="keep run dirs here [default: a temp dir, removed]")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep run dirs here (default: a temp dir, removed)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="smolflow-drills-"))
     work.mkdir(parents=True, exist_ok=True)
-    recipe = MICRO
+    recipe, times = MICRO, {}
 
     print("reference: uninterrupted run", flush=True)
     started = time.time()
     if start_pipeline(recipe, work / "reference", work / "reference.log").wait() != 0:
         print(f"the reference run failed: {work / 'reference.log'}")
         return 1
-    reference_seconds = time.time() - started
-    print(f"  {reference_seconds:.0f} s", flush=True)
+    times["reference"] = time.time() - started
+    print(f"  {times['reference']:.0f} s", flush=True)
 
-    print(f"kill drill: {args.kills} SIGKILLs at random moments", flush=True)
-    restarts, problems = kill_drill(recipe, work, args.kills, rng, reference_seconds)
+    print(f"kill drill: {args.kills} SIGKILLs across {', '.join(TARGETS)}", flush=True)
+    started = time.time()
+    made, most, problems = kill_drill(recipe, work, args.kills, rng)
     diffs = compare(final_metrics(work / "reference"), final_metrics(work / "killed")) if not problems else []
-    print(f"  {restarts} restarts; {len(problems)} integrity problems; {len(diffs)} metric differences", flush=True)
-    print(f"s3 drill: {args.outages} outages during checkpoint uploads", flush=True)
-    cuts, s3_problems = s3_drill(work, rng, args.outages)
+    times["kill"] = time.time() - started
+    print(f"  {made} kills; {len(problems)} integrity problems; {len(diffs)} metric differences; most trainers at once: {most}", flush=True)
 
-    print("\n| drill | interruptions | result |\n|---|---|---|")
-    print(f"| kill | {restarts} restarts | {'OK: same final metrics, nothing lost' if not problems and not diffs else 'FAILED'} |")
-    print(f"| s3 outage | {cuts} outages | {'OK: every step and checkpoint on S3' if not s3_problems else 'FAILED'} |")
-    for line in problems + diffs + s3_problems:
+    print(f"s3 drill: {args.outages} outage(s) of {args.outage_seconds:.0f} s during checkpoint uploads", flush=True)
+    started = time.time()
+    cuts, s3_problems = s3_drill(work, rng, args.outages, args.outage_seconds)
+    times["s3"] = time.time() - started
+
+    print("full-disk drill", flush=True)
+    started = time.time()
+    disk, disk_problems = disk_drill(work)
+    times["disk"] = time.time() - started
+
+    print("\n| drill | interruptions | result | seconds |\n|---|---|---|---|")
+    print(f"| reference | none | completed | {times['reference']:.0f} |")
+    ok = not problems and not diffs
+    verdict = "OK: same final metrics, nothing lost" if ok else "FAILED"
+    print(f"| kill | {made} SIGKILLs, most trainers at once {most} | {verdict} | {times['kill']:.0f} |")
+    s3_ok = "OK: every step and checkpoint on S3" if not s3_problems else "FAILED"
+    print(f"| s3 outage | {cuts} x {args.outage_seconds:.0f} s | {s3_ok} | {times['s3']:.0f} |")
+    print(f"| full disk | {disk} | {'OK' if not disk_problems else 'FAILED'} | {times['disk']:.0f} |")
+    for line in problems + diffs + s3_problems + disk_problems:
         print(f"  - {line}")
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
-    return 1 if problems or diffs or s3_problems else 0
+    return 1 if problems or diffs or s3_problems or disk_problems else 0
 
 
 if __name__ == "__main__":

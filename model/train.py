@@ -117,6 +117,7 @@ class TrainJob(BaseModel):
 # --- process and engine -------------------------------------------------------------------------
 
 
+UPLOAD_WAIT_S = 300  # at a phase's end, how long checkpoint uploads failing in an outage are retried before it ends without them
 PREEMPTED = 75  # exit code after a checkpoint forced by SIGTERM/SIGUSR1 (EX_TEMPFAIL): the task retries
 
 
@@ -499,7 +500,7 @@ def finish(job: TrainJob, engine, store, tokenizer, tracker, rank, step, guard, 
         "seq_len": cfg.seq_len,
         "stopped_early": not done,
         "dropped_steps": dropped_steps,
-        "failed_uploads": store.close() if rank == 0 else [],
+        "failed_uploads": store.close(wait_s=UPLOAD_WAIT_S) if rank == 0 else [],
         "checkpoint_seconds": round(sum(saves) / len(saves), 3) if saves else None,
     }
     if rank == 0 and done:

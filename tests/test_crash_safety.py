@@ -353,3 +353,16 @@ def test_failed_uploads_retry_on_their_own_and_an_outage_is_capped(tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_checkpoint_whose_files_changed_is_refused_before_anything_unpickles_it(tmp_path):
+    from model.checkpoint import verify
+
+    store = CheckpointStore(tmp_path, keep_last=2)
+    fake_checkpoint(store, 3)
+    verify(tmp_path / "step00000003")  # as written: accepted
+    data = bytearray((tmp_path / "step00000003" / "optim.pt").read_bytes())
+    data[10] ^= 0xFF  # same size, other bytes: the size check alone would pass it
+    (tmp_path / "step00000003" / "optim.pt").write_bytes(bytes(data))
+    with pytest.raises(CorruptFile, match="optim.pt"):
+        verify(tmp_path / "step00000003")

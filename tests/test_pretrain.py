@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -174,6 +175,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_for_a_retry_to_resume(data, refere
     proc = start_killable(job)
     while proc.poll() is None and logged_steps(out) < 20:
         time.sleep(0.01)
+    listening = [c.laddr.ip for c in psutil.Process(proc.pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert listening and set(listening) == {"127.0.0.1"}, f"a lone rank listens beyond loopback: {listening}"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == PREEMPTED
     tag = json.loads((out / "checkpoints" / "latest.json").read_text())["tag"]
