@@ -4,8 +4,8 @@
 
 1. Reference: the pipeline (curate -> pretrain -> SFT -> pairs -> APO -> GRPO -> evaluate) runs once.
 2. Kill drill: the same pipeline in a fresh run dir is SIGKILLed N times, each time while a chosen
-   target runs (a pretraining trainer, SFT, APO, GRPO, an evaluation child), either the whole flow
-   process group or only that process, and restarted. A watcher counts trainers alive at once.
+   target runs (N/5 each, in pipeline order: a pretraining trainer and an evaluation child alternately,
+   then SFT, APO, GRPO), either the whole flow process group or only that process, and restarted. A watcher counts trainers alive at once.
    Afterwards: it completed, every kept checkpoint is complete, no lock is left, no two trainers ever
    ran at once, and final metrics (losses per stage, post-training curves, every evaluation) equal
    the reference's.
@@ -175,23 +175,26 @@ def wait_for(target: str, proc: subprocess.Popen, run_dir: Path, timeout_s: floa
 def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tuple[int, int, list[str]]:
     """Returns (kills made, most trainers alive at once, problems)."""
     run_dir, log = work / "killed", work / "killed.log"
-    watch, made, first = TrainerWatch(run_dir), 0, list(TARGETS)  # each target once, then at random
+    each = max(1, kills // len(TARGETS))  # spread over the stages in pipeline order; the evaluator alongside pretraining
+    plan = ["trainer", "evaluator"] * each + [t for t in TARGETS if t not in ("trainer", "evaluator") for _ in range(each)]
+    plan += ["evaluator"] * (kills - len(plan))
+    watch, made = TrainerWatch(run_dir), 0
     proc = start_pipeline(recipe, run_dir, log)
-    while made < kills and (left := pending(run_dir)):
-        target = next((t for t in first if t in left), None) or rng.choice(left)
+    while made < kills and plan and pending(run_dir):
+        target = plan[0]
         try:
             victim = wait_for(target, proc, run_dir, timeout_s=1800)
         except TimeoutError:
-            if target in first:
-                first.remove(target)
             if proc.poll() is not None and proc.returncode != 0:
                 print("  the run failed after a kill; restarting it", flush=True)
                 proc = start_pipeline(recipe, run_dir, log)
             elif proc.poll() is not None:
                 break  # finished
+            else:
+                plan.pop(0)  # its stage is over: the evaluator takes this kill
+                plan.append("evaluator")
             continue
-        if target in first:
-            first.remove(target)
+        plan.pop(0)
         time.sleep(rng.uniform(0.5, 6))  # somewhere inside the stage, not at its first instant
         if victim is not None and rng.random() < 0.5:
             try:
