@@ -54,8 +54,10 @@ QUICK = [  # a short ladder that still yields preference pairs (a weak and a str
     "postrain.preference.prompts=120",
     "postrain.apo.max_steps=12",
     "postrain.apo.save_steps=4",
+    "postrain.apo.logging_steps=4",  # a logged loss averages the steps since the last log: align logs with resumable saves
     "postrain.grpo.max_steps=6",
     "postrain.grpo.save_steps=2",
+    "postrain.grpo.logging_steps=2",
     "postrain.grpo.prompts=64",
 ]
 # what each kill waits for: a process whose command line holds the marker, or a stage's partial folder
@@ -88,6 +90,9 @@ def final_metrics(run_dir: Path) -> dict:
             if curve in summary:
                 out[f"{stage}_{curve}"] = [[step, round(value, 4)] for step, value in summary[curve]]
         out[f"{stage}_accuracy"] = summary["eval"]["accuracy"]
+    for manifest in sorted(run_dir.glob("*/manifest.json")):  # the exported weights, bit for bit (their recorded MD5)
+        if weights := json.loads(manifest.read_text()).get("files", {}).get("final/model.safetensors"):
+            out[f"{manifest.parent.name} weights MD5"] = weights["md5"]
     for record in sorted((run_dir / "evals" / "results").glob("*.json")):
         data = json.loads(record.read_text())
         for task, entry in data["tasks"].items():
@@ -272,6 +277,11 @@ class Proxy:
         self.up.set()
 
 
+def checkpoints(run_dir: Path) -> set[str]:
+    """PHASE/TAG of every committed checkpoint of the phase being trained."""
+    return {f"{p.parent.parent.parent.name}/{p.parent.name}" for p in run_dir.glob(".partial/pretrain_*/checkpoints/step*/checkpoint.json")}
+
+
 def s3_drill(work: Path, rng: random.Random, outages: int, seconds: float) -> tuple[int, list[str]]:
     port = _free_port()
     moto = subprocess.Popen(
@@ -288,18 +298,18 @@ def s3_drill(work: Path, rng: random.Random, outages: int, seconds: float) -> tu
         run_dir, log = work / "s3run", work / "s3run.log"
         settings = [f"storage.s3.endpoint_url={endpoint}", "storage.mirror=s3://drill/run", "evaluation.follow=false"]
         proc = start_pipeline(MICRO, run_dir, log, settings, until="pretrain")
-        cut, seen = 0, 0
+        cut, seen = 0, set()
         while proc.poll() is None and cut < outages:
-            uploading = list(run_dir.glob(".partial/pretrain_*/checkpoints/step*/checkpoint.json"))
-            if len(uploading) > seen:  # a checkpoint was just committed: its upload is starting
-                seen = len(uploading)
-                if rng.random() < 0.5:
-                    proxy.cut()
-                    time.sleep(seconds)
-                    proxy.restore()
-                    cut += 1
-                    print(f"  outage {cut}: S3 cut for {seconds:.0f} s as checkpoint {seen} uploaded", flush=True)
-            time.sleep(0.2)
+            committed = checkpoints(run_dir)
+            if seen and committed - seen:  # a checkpoint was just committed (not the first): its upload is starting
+                proxy.cut()
+                time.sleep(seconds)
+                proxy.restore()
+                cut += 1
+                print(f"  outage {cut}: S3 cut for {seconds:.0f} s as {sorted(committed - seen)[0]} uploaded", flush=True)
+                committed = checkpoints(run_dir)
+            seen |= committed
+            time.sleep(0.1)
         for _ in range(3):  # the cap on checkpoints waiting for S3 may have failed the trainer: a rerun resumes
             if proc.wait() == 0:
                 break
