@@ -86,7 +86,13 @@ def loss_history(log_history: list[dict[str, Any]], key: str = "loss") -> list[t
 def train_and_save(trainer, out: Path, curves: dict[str, str]) -> dict[str, Any]:
     """Train from the newest complete checkpoint in `out` (if any), save `out/final`, return the logged curves."""
     resume = last_complete_checkpoint(out / "checkpoints")
-    trainer.train(resume_from_checkpoint=resume)
-    save_final(trainer.model, trainer.processing_class, out / "final")
-    history = trainer.state.log_history
+    state = json.loads((Path(resume) / "trainer_state.json").read_text()) if resume else {}
+    if state.get("global_step", 0) >= trainer.args.max_steps:
+        # killed after its last checkpoint: resuming would train one step past max_steps (at a zero learning
+        # rate, but with its own rollouts and log line), so the checkpoint's weights are the final model
+        model, history = type(trainer.model).from_pretrained(resume), state["log_history"]
+    else:
+        trainer.train(resume_from_checkpoint=resume)
+        model, history = trainer.model, trainer.state.log_history
+    save_final(model, trainer.processing_class, out / "final")
     return {"resumed_from": resume, **{name: loss_history(history, key) for name, key in curves.items()}}

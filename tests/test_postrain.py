@@ -207,6 +207,21 @@ def test_grpo_raises_the_correctness_reward_on_a_task_the_model_can_learn(base, 
 
 
 @pytest.mark.slow
+def test_a_run_killed_after_its_last_checkpoint_does_not_train_past_max_steps(sft_model, tmp_path):
+    from postrain.grpo import run_grpo
+
+    items = chat.generate(16, {"arithmetic": 1.0}, 49, 5)
+    cfg = GRPOCfg(learning_rate=1e-5, max_steps=2, batch_size=8, num_generations=4, max_completion_length=8, save_steps=1, logging_steps=1)
+    first = run_grpo(str(sft_model / "final"), items, cfg, tmp_path, seed=0)
+    (tmp_path / "final" / "model.safetensors").unlink()  # as if killed after checkpoint-2, before the step was committed
+    again = run_grpo(str(sft_model / "final"), items, cfg, tmp_path, seed=0)
+    assert again["reward"] == first["reward"] and [s for s, _ in again["reward"]] == [1, 2]
+    assert not (tmp_path / "checkpoints" / "checkpoint-3").exists()
+    final, last = tmp_path / "final" / "model.safetensors", tmp_path / "checkpoints" / "checkpoint-2" / "model.safetensors"
+    assert final.read_bytes() == last.read_bytes()
+
+
+@pytest.mark.slow
 def test_length_penalty_shortens_a_rambling_model(base, tmp_path):
     """From a model taught to pad answers with 0-12 filler words, GRPO with the length reward alone shortens them."""
     import random
