@@ -32,7 +32,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # A local Prefect server (127.0.0.1, SQLite under .smolflow/), the smolflow work pool, a worker and
-# the crash automation; `source .smolflow/env` then points the prefect CLI at it.
+# the crash check and its automation; `source .smolflow/env` then points the prefect CLI at it.
 serve: $(STAMP)
 	$(BIN)/smolflow server start
 

@@ -256,7 +256,7 @@ def eval_cmd(
     typer.echo(result)
 
 
-server_app = typer.Typer(help="A local Prefect server (127.0.0.1, SQLite under .smolflow/), work pool, worker and crash automation.")
+server_app = typer.Typer(help="A local Prefect server (127.0.0.1, SQLite under .smolflow/), work pool, worker and crash relaunch check.")
 app.add_typer(server_app, name="server")
 
 
@@ -265,7 +265,7 @@ def server_start(
     port: Annotated[int | None, typer.Option(help="Port (default: $SMOLFLOW_PORT or 4200).")] = None,
     worker: Annotated[bool, typer.Option(help="Also start a worker on the smolflow pool.")] = True,
 ) -> None:
-    """Start the server (if not running), create the work pool, queues and automation, start a worker."""
+    """Start the server (if not running), create the work pool, queues, crash check and automation, start a worker."""
     from flows.server import Server
 
     server = Server.here(port)

@@ -1,4 +1,4 @@
-"""A local Prefect server, work pool, worker and crash automation: `smolflow server start|stop|status`.
+"""A local Prefect server, work pool, worker and crash relaunch: `smolflow server start|stop|status`.
 
 Everything lives under the project's state dir (`.smolflow/`, or $SMOLFLOW_STATE): the SQLite
 database, PREFECT_HOME, logs and PID files. The server listens on 127.0.0.1 only and asks for an
@@ -7,9 +7,11 @@ it to the prefect CLI), so another local user cannot run a deployment with recip
 idempotent (a running server or worker is left alone); `stop` stops workers before the server,
 since a worker whose server vanished first retries its connection instead of exiting.
 
-Work pool `smolflow` (type process) has two queues, each running one flow run at a time:
-`default` for the pipeline and stage flows, `eval` for scheduled evaluation, so evaluation never
-takes the training slot (and its processes run at a lower CPU priority, tasks/evaluation/).
+Work pool `smolflow` (type process) has three queues: `default` for the pipeline and stage flows and
+`eval` for scheduled evaluation, one flow run at a time each, so evaluation never takes the training
+slot (and its processes run at a lower CPU priority, tasks/evaluation/); `control` runs the crash
+checks of flows/relaunch.py, which the automation starts for every crash Prefect reports of a run
+tagged `smolflow`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
@@ -31,10 +34,14 @@ from infra.env import OFFLINE_DEFAULTS
 from infra.errors import SmolflowError
 
 POOL = "smolflow"
-QUEUES = {"default": 1, "eval": 1}  # queue -> concurrency limit
-AUTOMATION = "smolflow: reschedule crashed flow runs"
-TAG = "smolflow"  # deployments carrying this tag are rescheduled by the automation after a crash
+QUEUES = {"default": 1, "eval": 1, "control": 2}  # queue -> concurrency limit
+AUTOMATION = "smolflow: check crashed flow runs"
+OLD_AUTOMATIONS = ("smolflow: reschedule crashed flow runs",)  # blind rescheduling, replaced by the check
+RELAUNCH = "relaunch-crashed/check"  # flow/deployment of flows/relaunch.py
+TAG = "smolflow"  # deployments carrying this tag are relaunched after a real crash
 MAX_ATTEMPTS = 3  # a run that crashed on its 3rd attempt stays Crashed
+HEARTBEAT_S = 30  # flow processes beat this often (PREFECT_FLOWS_HEARTBEAT_FREQUENCY; Prefect's minimum)
+GRACE_S = 2 * HEARTBEAT_S + 15  # a live process that was reported crashed beats, or moves on, within this
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class Server:
             "SMOLFLOW_STATE": str(self.state),
             "PREFECT_SERVER_API_AUTH_STRING": self.auth(),
             "PREFECT_API_AUTH_STRING": self.auth(),
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),  # the relaunch check's sign of life
         }
 
     # --- processes ------------------------------------------------------------------------
@@ -136,12 +144,12 @@ class Server:
         self._configure()
         if worker and self.pid("worker") is None:
             prefect = str(Path(sys.executable).with_name("prefect"))
-            self._spawn("worker", [prefect, "worker", "start", "--pool", POOL, "--type", "process", "--limit", "2"])
+            self._spawn("worker", [prefect, "worker", "start", "--pool", POOL, "--type", "process", "--limit", str(sum(QUEUES.values()))])
             say(f"started a worker on pool {POOL!r} (log {self.state / 'worker.log'})")
         say(f"Prefect UI: {self.ui_url}")
 
     def _configure(self) -> None:
-        """Work pool, queues with their limits, and the crash automation (each created once)."""
+        """Work pool, queues with their limits, the relaunch check's deployment and the crash automation."""
         code = f"from flows.server import configure; configure({POOL!r}, {QUEUES!r})"
         proc = subprocess.run([sys.executable, "-c", code], env=self.env(), cwd=self.root, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -186,15 +194,18 @@ class Server:
 
 
 def configure(pool: str, queues: dict[str, int]) -> None:
-    """Runs against PREFECT_API_URL: create what is missing, leave what exists."""
+    """Runs against PREFECT_API_URL: create what is missing, leave what exists; the automation is replaced."""
     from prefect.automations import Automation
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.client.schemas.objects import StateType
-    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.actions import RunDeployment
     from prefect.events.schemas.automations import EventTrigger, Posture
     from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.utilities.callables import parameter_schema
 
+    from flows.relaunch import relaunch
+
+    flow_name, deployment_name = RELAUNCH.split("/")
     with get_client(sync_client=True) as client:
         try:
             client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
@@ -206,23 +217,39 @@ def configure(pool: str, queues: dict[str, int]) -> None:
                 client.update_work_queue(queue.id, concurrency_limit=limit)
             except ObjectNotFound:
                 client.create_work_queue(name=name, work_pool_name=pool, concurrency_limit=limit)
-    try:
-        Automation.read(name=AUTOMATION)
-        return
-    except ValueError:
-        pass
+        deployment_id = client.create_deployment(  # an upsert: same flow and name update the deployment
+            flow_id=client.create_flow_from_name(flow_name),
+            name=deployment_name,
+            description="Started by the crash automation: relaunches a crashed smolflow run if the crash was real (flows/relaunch.py).",
+            entrypoint="flows/relaunch.py:relaunch",
+            work_pool_name=pool,
+            work_queue_name="control",
+            pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $SMOLFLOW_ROOT }}"}}],
+            parameter_openapi_schema=parameter_schema(relaunch.fn).model_dump_for_openapi(),
+        )
+    for name in (AUTOMATION, *OLD_AUTOMATIONS):
+        try:
+            Automation.read(name=name).delete()
+        except ValueError:
+            pass
     Automation(
         name=AUTOMATION,
-        description=f"A crashed smolflow flow run (worker or node gone) goes back to Scheduled, up to {MAX_ATTEMPTS} attempts; "
-        "each step's lock file stops a second launch (Prefect reports a crash twice) from racing the first.",
+        description=f"Every crash Prefect reports of a run tagged {TAG!r} starts {RELAUNCH} after {GRACE_S} s, which relaunches the run "
+        f"(up to {MAX_ATTEMPTS} attempts) only if it really crashed while running; see flows/relaunch.py.",
         trigger=EventTrigger(
             expect={"prefect.flow-run.Crashed"},
-            # run-count is 0 for a run that crashed before it started (broken code, bad image): never rescheduled
-            match={"prefect.resource.id": "prefect.flow-run.*", "prefect.run-count": [str(n) for n in range(1, MAX_ATTEMPTS)]},
+            match={"prefect.resource.id": "prefect.flow-run.*"},
             match_related={"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{TAG}"},
             posture=Posture.Reactive,
             threshold=1,
             within=0,
         ),
-        actions=[ChangeFlowRunState(state=StateType.SCHEDULED, name="AwaitingRetry", message="rescheduled after a crash", force=True)],
+        actions=[
+            RunDeployment(
+                source="selected",
+                deployment_id=deployment_id,
+                parameters={"crashed": "{{ event.resource.id }}", "announced": "{{ event.resource['prefect.state-timestamp'] }}"},
+                schedule_after=timedelta(seconds=GRACE_S),
+            )
+        ],
     ).create()

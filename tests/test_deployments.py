@@ -11,6 +11,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
@@ -52,8 +54,14 @@ def api(server: Server, path: str, body: dict | None = None, auth: bool = True):
     if auth:
         headers["Authorization"] = "Basic " + base64.b64encode(server.auth().encode()).decode()
     request = urllib.request.Request(f"{server.api_url}{path}", data=data, headers=headers)
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
+    for attempt in range(5):
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as e:  # 503: SQLite busy on a loaded 2-core machine; ask again
+            if e.code != 503 or attempt == 4:
+                raise
+            time.sleep(2)
 
 
 def run_deployment(server: Server, name: str, params: dict) -> str:
@@ -98,6 +106,58 @@ def test_the_server_refuses_requests_without_its_auth_string(server):
     assert api(server, "/deployments/filter", {})  # with it: the deployments
     for name in ("auth", "env"):
         assert (server.state / name).stat().st_mode & 0o077 == 0, f"{name} is readable by others"
+
+
+def set_state(server: Server, run_id: str, kind: str, name: str | None = None, at: str | None = None) -> None:
+    state = {"type": kind, "name": name, "state_details": {"scheduled_time": at} if at else {}}
+    assert api(server, f"/flow_runs/{run_id}/set_state", {"state": state, "force": True})["status"] == "ACCEPT"
+
+
+def test_the_crash_check_relaunches_only_runs_that_crashed_while_running(server, tmp_path):
+    """Each crash report Prefect makes (here: the states a worker, a zombie detector or a dying process would set,
+    through the real server, automation and check flow) is checked; only the real crash is relaunched."""
+    deployment = api(server, "/deployments/name/scheduled-eval/tiny")
+    later = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 86400))  # out of the worker's sight
+    cases = {  # case -> states after Pending, and what the check must leave
+        "crashed while running": (["RUNNING", "CRASHED"], "relaunched"),
+        "completed after a false crash report": (["RUNNING", "CRASHED", "COMPLETED"], "no longer Crashed"),
+        "cron run that never started": (["CRASHED"], "never started"),
+        "died while awaiting a retry": (["RUNNING", "AwaitingRetry", "CRASHED"], "never started (or was awaiting a retry)"),
+        "alive, still beating": (["RUNNING", "CRASHED", "heartbeat"], "heartbeat"),
+        "out of attempts": (["RUNNING", "PENDING", "RUNNING", "PENDING", "RUNNING", "CRASHED"], "attempt 3 of 3"),
+    }
+    runs = {}
+    for case, (states, _) in cases.items():
+        scheduled = {"type": "SCHEDULED", "state_details": {"scheduled_time": later}}
+        body = {"state": scheduled, "parameters": {"source": str(tmp_path / "none")}}
+        run_id = runs[case] = api(server, f"/deployments/{deployment['id']}/create_flow_run", body)["id"]
+        set_state(server, run_id, "PENDING")
+        for state in states:
+            if state == "AwaitingRetry":
+                set_state(server, run_id, "SCHEDULED", "AwaitingRetry", later)
+            elif state == "heartbeat":
+                event = {"event": "prefect.flow-run.heartbeat", "resource": {"prefect.resource.id": f"prefect.flow-run.{run_id}"}}
+                api(server, "/events", [{**event, "occurred": datetime.now(UTC).isoformat(), "id": str(uuid.uuid4())}])
+            else:
+                set_state(server, run_id, state)
+
+    verdicts, deadline = {}, time.time() + 600
+    while len(verdicts) < len(runs) and time.time() < deadline:
+        checks = api(server, "/flow_runs/filter", {"deployments": {"name": {"any_": ["check"]}}, "limit": 50})
+        for check in checks:
+            target = check["parameters"]["crashed"].removeprefix("prefect.flow-run.")
+            if check["state_type"] == "COMPLETED" and target in runs.values():
+                logs = api(server, "/logs/filter", {"logs": {"flow_run_id": {"any_": [check["id"]]}}})
+                verdicts[target] = " ".join(log["message"] for log in logs)
+        time.sleep(3)
+    for case, (_, said) in cases.items():
+        assert said in verdicts.get(runs[case], "(no check ran)"), f"{case}: {verdicts.get(runs[case])}"
+        history = state_history(server, runs[case])
+        if case != "crashed while running":
+            assert history[-1] == cases[case][0][-1].replace("heartbeat", "CRASHED"), f"{case}: touched: {history}"
+    relaunched = wait_final(server, runs["crashed while running"], timeout_s=600)  # it runs again (nothing to score)
+    names = [s["name"] for s in api(server, f"/flow_run_states/?flow_run_id={relaunched['id']}")]
+    assert names[names.index("Crashed") + 1] == "AwaitingRetry" and relaunched["state_type"] == "COMPLETED", names
 
 
 def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_eval(server, tmp_path):
