@@ -75,8 +75,10 @@ class Server:
         return path.read_text().strip()
 
     def env(self) -> dict[str, str]:
-        """The environment of the server, the worker and the user's Prefect commands."""
+        """The environment of the server, the worker and the user's Prefect commands (with the local Slurm's, if any)."""
+        slurm_conf = self.state / "slurm" / "slurm.conf"  # flows/cluster.py
         return {
+            **({"SLURM_CONF": str(slurm_conf)} if slurm_conf.exists() else {}),
             **OFFLINE_DEFAULTS,
             **os.environ,
             "PREFECT_HOME": str(self.state / "prefect"),
@@ -187,9 +189,10 @@ class Server:
         }
 
     def env_script(self) -> str:
-        keep = ("PREFECT_HOME", "PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "SMOLFLOW_ROOT", "SMOLFLOW_STATE", *OFFLINE_DEFAULTS)
+        keep = ("PREFECT_HOME", "PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "SMOLFLOW_ROOT", "SMOLFLOW_STATE", "SLURM_CONF")
+        keep += tuple(OFFLINE_DEFAULTS)
         env = self.env()
-        lines = [f". {self.root / '.venv' / 'bin' / 'activate'}"] + [f"export {k}={env[k]!r}" for k in keep]
+        lines = [f". {self.root / '.venv' / 'bin' / 'activate'}"] + [f"export {k}={env[k]!r}" for k in keep if k in env]
         return "# source this file to use the local Prefect server from a shell\n" + "\n".join(lines) + "\n"
 
 
