@@ -293,5 +293,40 @@ def server_status(port: Annotated[int | None, typer.Option(help="Port (default: 
         typer.echo(f"{key}: {value}")
 
 
+cluster_app = typer.Typer(help="A local single-node Slurm cluster (state under .smolflow/slurm/) to try the scale-out paths here.")
+app.add_typer(cluster_app, name="cluster")
+
+
+@cluster_app.command("start")
+def cluster_start() -> None:
+    """Install slurm-wlm and munge if missing (as root, apt-get), start munged, slurmctld and slurmd; wait for the node."""
+    from flows.cluster import Slurm
+
+    try:
+        Slurm.here().start(say=typer.echo)
+    except SmolflowError as err:
+        _fail(err)
+
+
+@cluster_app.command("stop")
+def cluster_stop() -> None:
+    """Cancel the cluster's jobs, stop slurmd and slurmctld."""
+    from flows.cluster import Slurm
+
+    Slurm.here().stop(say=typer.echo)
+
+
+@cluster_app.command("status")
+def cluster_status() -> None:
+    """Daemons, the node's state, the configuration file, missing commands and queued jobs."""
+    from flows.cluster import Slurm
+
+    slurm = Slurm.here()
+    for key, value in slurm.status().items():
+        typer.echo(f"{key}: {value}")
+    for job in slurm.jobs() if slurm.pid("slurmctld") else []:
+        typer.echo(f"job {job['id']} {job['name']} {job['state']}")
+
+
 if __name__ == "__main__":
     app()

@@ -9,10 +9,12 @@ datatrove JSONL under `STEP/data/SOURCE/`; removed documents are kept under `STE
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -66,8 +68,9 @@ def make_executor(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: in
             cpus_per_task=cfg.slurm.cpus_per_task,
             mem_per_cpu_gb=cfg.slurm.mem_per_cpu_gb,
             workers=cfg.workers,
-            job_name=f"smolflow-{job_name}",
-            sbatch_args=dict(cfg.slurm.sbatch_args),
+            job_name=slurm_job_name(job_name, logging_dir),
+            # datatrove writes `{mem_per_cpu_gb}G`, which sbatch refuses for a float ("2.0G"): megabytes instead
+            sbatch_args={"mem-per-cpu": f"{round(cfg.slurm.mem_per_cpu_gb * 1024)}M", **cfg.slurm.sbatch_args},
             venv_path=os.path.join(sys.prefix, "bin", "activate"),
             logging_dir=str(logging_dir),
         )
@@ -76,27 +79,94 @@ def make_executor(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: in
     return RayPipelineExecutor(pipeline, tasks=tasks, workers=cfg.workers, logging_dir=str(logging_dir))
 
 
+def slurm_job_name(job_name: str, logging_dir: Path) -> str:
+    """Unique per pipeline folder, so two runs' `filter-web` jobs are never waited for (or cancelled) as one."""
+    return f"smolflow-{job_name}-{hashlib.sha256(str(logging_dir.resolve()).encode()).hexdigest()[:8]}"
+
+
 class ClusterTimeout(SmolflowError):
     """A cluster pipeline ran past its time budget; a retry reruns only its incomplete tasks."""
 
     retryable = True
 
 
+class ClusterJobFailed(SmolflowError):
+    """A cluster pipeline's jobs ended with tasks incomplete (a rank failed, a node died); a retry reruns only those."""
+
+    retryable = True
+
+
 def run_pipeline(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: int, job_name: str) -> list[dict]:
-    """Run to completion (cluster executors are polled) and return the per-step counters."""
+    """Run to completion (cluster jobs are polled; interrupted, they are cancelled) and return the per-step counters."""
     executor = make_executor(cfg, pipeline, logging_dir, tasks, job_name)
     log.info("%s: %d task(s) on the %s executor", job_name, tasks, cfg.kind)
-    executor.run()
-    deadline = time.time() + cfg.timeout_hours * 3600
-    while cfg.kind != "local" and (left := executor.get_incomplete_ranks()):
+    if cfg.kind != "slurm":
+        executor.run()
+        return read_stats(logging_dir)
+    try:
+        executor.run()
+        _wait_for_slurm(executor, cfg, logging_dir, tasks, job_name)
+    except BaseException:
+        _scancel(executor.job_name)
+        raise
+    return read_stats(logging_dir)
+
+
+def _slurm_jobs(name: str) -> list[tuple[str, str, str]]:
+    """(id, state, reason) of each queued or running job called `name`."""
+    out = subprocess.run(["squeue", "--noheader", f"--name={name}", "--format=%i|%T|%r"], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise ClusterJobFailed(f"squeue failed: {out.stderr.strip()[-500:]}")
+    return [tuple(line.split("|")) for line in out.stdout.split()]
+
+
+def _scancel(name: str, wait_s: float = 120) -> None:
+    """Cancel the jobs called `name` and wait until they left the queue (none still writing into the step)."""
+    subprocess.run(["scancel", f"--name={name}"], capture_output=True, timeout=60)
+    deadline = time.time() + wait_s
+    while (jobs := _slurm_jobs(name)) and time.time() < deadline:
+        time.sleep(1)
+    if jobs:
+        log.warning("%s: jobs %s still in the queue %.0f s after scancel", name, [j[0] for j in jobs], wait_s)
+
+
+def _wait_for_slurm(executor, cfg: ExecutorCfg, logging_dir: Path, tasks: int, job_name: str) -> None:
+    """Until every task is complete and the jobs (with datatrove's stats merge) have left the queue.
+
+    A job whose dependency can never be met (the stats merge after a failed array) counts as gone;
+    jobs gone with tasks incomplete fail the task with the first incomplete rank's log tail.
+    """
+    deadline, delay = time.time() + cfg.timeout_hours * 3600, 1.0
+    while True:
+        left = executor.get_incomplete_ranks()
+        jobs = _slurm_jobs(executor.job_name)
+        alive = [j for j in jobs if j[2] != "DependencyNeverSatisfied"]
+        if not alive:
+            if jobs:
+                _scancel(executor.job_name)
+            if not left:
+                return
+            raise ClusterJobFailed(
+                f"{job_name}: its Slurm jobs ended with {len(left)} of {tasks} tasks incomplete (ranks {left[:10]}); "
+                f"a retry runs only those. Rank {left[0]}:\n{_rank_log_tail(logging_dir, left[0])}"
+            )
         if time.time() > deadline:
             raise ClusterTimeout(
                 f"{job_name}: {len(left)} of {tasks} tasks still incomplete after {cfg.timeout_hours:g} h (executor.timeout_hours); "
                 f"their logs are in {logging_dir / 'logs'}; a retry runs only the incomplete ones"
             )
-        log.info("%s: waiting for %d of %d tasks", job_name, len(left), tasks)
-        time.sleep(30)
-    return read_stats(logging_dir)
+        log.info("%s: waiting for %d of %d tasks (jobs %s)", job_name, len(left), tasks, ", ".join(f"{i} {s}" for i, s, _ in jobs))
+        time.sleep(delay)
+        delay = min(delay * 2, 30)
+
+
+def _rank_log_tail(logging_dir: Path, rank: int, lines: int = 20) -> str:
+    """The end of a rank's datatrove log, else of its Slurm output (where a crash before logging shows)."""
+    candidates = [logging_dir / "logs" / f"task_{rank:05d}.log", *sorted((logging_dir / "slurm_logs").glob(f"*_{rank}.out"))]
+    for path in candidates:
+        if path.exists() and path.stat().st_size:
+            return f"{path}:\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return f"(no log under {logging_dir})"
 
 
 def read_stats(logging_dir: Path) -> list[dict]:

@@ -1,0 +1,171 @@
+"""A single-node Slurm cluster on this machine: `smolflow cluster slurm start|stop|status`.
+
+How a user tries the scale-out paths on a laptop, and how the tests get a real Slurm: Debian's
+`slurm-wlm` and `munge` (installed with apt-get when missing and running as root), `munged`, then
+`slurmctld` and `slurmd` on one node named after this host, partition `cpu` (the recipe's default
+`executor.slurm.partition`). Its configuration, state, logs and PID files live under the project's
+state dir (`.smolflow/slurm/`), never in /etc: Slurm's commands find it through `SLURM_CONF`, which
+`env()` gives and `.smolflow/env` exports, so a machine's own Slurm configuration is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from infra.errors import SmolflowError
+
+PACKAGES = {"slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-client", "munged": "munge"}
+DAEMONS = ("slurmctld", "slurmd")
+CONF = """# written by smolflow (flows/cluster.py): a single-node cluster for trying scale-out paths locally
+ClusterName=smolflow
+SlurmctldHost={host}
+SlurmctldPort={port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+AuthType=auth/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+StateSaveLocation={state}/ctld
+SlurmdSpoolDir={state}/spool
+SlurmctldPidFile={state}/slurmctld.pid
+SlurmdPidFile={state}/slurmd.pid
+SlurmctldLogFile={state}/slurmctld.log
+SlurmdLogFile={state}/slurmd.log
+NodeName={host} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
+PartitionName=cpu Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+def missing_commands() -> list[str]:
+    return [cmd for cmd in PACKAGES if shutil.which(cmd) is None and not Path("/usr/sbin", cmd).exists()]
+
+
+def _sbin(cmd: str) -> str:
+    return shutil.which(cmd) or f"/usr/sbin/{cmd}"
+
+
+@dataclass(frozen=True)
+class Slurm:
+    state: Path  # .smolflow/slurm
+    port: int = 6817
+
+    @classmethod
+    def here(cls) -> Slurm:
+        root = Path(os.environ.get("SMOLFLOW_STATE", Path.cwd() / ".smolflow")).resolve()
+        return cls(state=root / "slurm", port=int(os.environ.get("SMOLFLOW_SLURM_PORT", "6817")))
+
+    @property
+    def conf(self) -> Path:
+        return self.state / "slurm.conf"
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, timeout=60)
+        if check and proc.returncode != 0:
+            raise SmolflowError(f"`{' '.join(cmd)}` failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-1000:]}")
+        return proc
+
+    def install(self, say=print) -> None:
+        """apt-get the packages of missing commands (as root), or say what is missing."""
+        missing = missing_commands()
+        if not missing:
+            return
+        packages = sorted({PACKAGES[cmd] for cmd in missing})
+        if os.geteuid() != 0 or shutil.which("apt-get") is None:
+            raise SmolflowError(f"Slurm is not installed ({', '.join(missing)} missing); install {' '.join(packages)} (as root) and retry")
+        say(f"installing {' '.join(packages)} with apt-get")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        proc = subprocess.run(["apt-get", "install", "-y", "-q", *packages], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
+            proc = subprocess.run(["apt-get", "install", "-y", "-q", *packages], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SmolflowError(f"apt-get install {' '.join(packages)} failed: {proc.stderr.strip()[-1000:]}")
+
+    def _start_munge(self) -> None:
+        """munged runs as `munge` with its socket folder and log folder owned by munge (STACK.md)."""
+        if any(p.info["name"] == "munged" for p in psutil.process_iter(["name"])):
+            return
+        for folder in (Path("/run/munge"), Path("/var/log/munge"), Path("/var/lib/munge")):
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.chown(folder, "munge", "munge")
+        subprocess.run(["runuser", "-u", "munge", "--", _sbin("munged")], check=True, capture_output=True, timeout=30)
+
+    def pid(self, daemon: str) -> int | None:
+        try:
+            pid = int((self.state / f"{daemon}.pid").read_text().strip())
+            proc = psutil.Process(pid)
+            return pid if daemon in proc.name() and proc.status() != psutil.STATUS_ZOMBIE else None
+        except (FileNotFoundError, ValueError, psutil.NoSuchProcess):
+            return None
+
+    def start(self, timeout_s: float = 120, say=print) -> None:
+        if os.geteuid() != 0:
+            raise SmolflowError("the local Slurm cluster runs its daemons as root (SlurmUser=root); run as root")
+        self.install(say)
+        for folder in ("ctld", "spool"):
+            (self.state / folder).mkdir(parents=True, exist_ok=True)
+        host = socket.gethostname().split(".")[0]
+        memory_mb = int(psutil.virtual_memory().total / 2**20 * 0.8)
+        conf = CONF.format(host=host, port=self.port, slurmd_port=self.port + 1, state=self.state, cpus=os.cpu_count(), memory_mb=memory_mb)
+        self.conf.write_text(conf)
+        self._start_munge()
+        for daemon in DAEMONS:
+            if self.pid(daemon) is None:
+                subprocess.run([_sbin(daemon), "-f", str(self.conf)], env=self.env(), check=True, capture_output=True, timeout=60)
+                say(f"started {daemon} (log {self.state / daemon}.log)")
+        deadline = time.time() + timeout_s
+        while (node := self.node_state()) not in ("idle", "mixed", "allocated"):
+            if time.time() > deadline:
+                raise SmolflowError(f"the Slurm node is {node!r} after {timeout_s:.0f} s; see {self.state}/slurmctld.log and slurmd.log")
+            if node.startswith("down") or node.startswith("drain"):
+                self.run("scontrol", "update", f"NodeName={host}", "State=RESUME", check=False)
+            time.sleep(1)
+        say(f"Slurm is up: partition cpu on {host}; export SLURM_CONF={self.conf} (`source .smolflow/env` does)")
+
+    def node_state(self) -> str:
+        proc = self.run("sinfo", "--noheader", "--format=%T", check=False)
+        return proc.stdout.strip().split("\n")[0] if proc.returncode == 0 else "unreachable"
+
+    def stop(self, say=print) -> None:
+        """Cancel our jobs, then stop slurmd and slurmctld (munged is shared with other users of munge; left running)."""
+        if self.pid("slurmctld") is not None:
+            self.run("scancel", "--full", "--partition=cpu", check=False)
+        for daemon in reversed(DAEMONS):
+            pid = self.pid(daemon)
+            if pid is None:
+                continue
+            proc = psutil.Process(pid)
+            proc.terminate()
+            _, alive = psutil.wait_procs([proc], timeout=20)
+            for p in alive:
+                p.kill()
+            say(f"stopped {daemon} (pid {pid})")
+
+    def status(self) -> dict[str, object]:
+        up = self.pid("slurmctld") is not None
+        return {
+            "slurmctld": self.pid("slurmctld"),
+            "slurmd": self.pid("slurmd"),
+            "node": self.node_state() if up else "down",
+            "conf": str(self.conf),
+            "missing": missing_commands(),
+        }
+
+    def jobs(self) -> list[dict]:
+        out = self.run("squeue", "--noheader", "--format=%i %j %T", check=False).stdout
+        return [dict(zip(("id", "name", "state"), line.split())) for line in out.splitlines() if line.strip()]
