@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip setuptools wheel
 	# torch is pinned to 2.13.0: pip takes its CPU wheel from local disk (an unpinned torch pulls CUDA)
-	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
+	$(BIN)/pip install -q -e '.[test,cluster]' --config-settings editable_mode=compat
 	touch $(STAMP)
 
 setup: $(STAMP)

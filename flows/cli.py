@@ -293,12 +293,16 @@ def server_status(port: Annotated[int | None, typer.Option(help="Port (default: 
         typer.echo(f"{key}: {value}")
 
 
-cluster_app = typer.Typer(help="A local single-node Slurm cluster (state under .smolflow/slurm/) to try the scale-out paths here.")
+cluster_app = typer.Typer(help="Local clusters (state under .smolflow/) to try the scale-out paths on this machine.")
+slurm_app = typer.Typer(help="A single-node Slurm cluster: slurmctld + slurmd, partition `cpu`, config in .smolflow/slurm/.")
+ray_app = typer.Typer(help="A Ray head on 127.0.0.1, which recipes with executor.kind=ray join.")
 app.add_typer(cluster_app, name="cluster")
+cluster_app.add_typer(slurm_app, name="slurm")
+cluster_app.add_typer(ray_app, name="ray")
 
 
-@cluster_app.command("start")
-def cluster_start() -> None:
+@slurm_app.command("start")
+def slurm_start() -> None:
     """Install slurm-wlm and munge if missing (as root, apt-get), start munged, slurmctld and slurmd; wait for the node."""
     from flows.cluster import Slurm
 
@@ -308,16 +312,16 @@ def cluster_start() -> None:
         _fail(err)
 
 
-@cluster_app.command("stop")
-def cluster_stop() -> None:
+@slurm_app.command("stop")
+def slurm_stop() -> None:
     """Cancel the cluster's jobs, stop slurmd and slurmctld."""
     from flows.cluster import Slurm
 
     Slurm.here().stop(say=typer.echo)
 
 
-@cluster_app.command("status")
-def cluster_status() -> None:
+@slurm_app.command("status")
+def slurm_status() -> None:
     """Daemons, the node's state, the configuration file, missing commands and queued jobs."""
     from flows.cluster import Slurm
 
@@ -326,6 +330,37 @@ def cluster_status() -> None:
         typer.echo(f"{key}: {value}")
     for job in slurm.jobs() if slurm.pid("slurmctld") else []:
         typer.echo(f"job {job['id']} {job['name']} {job['state']}")
+
+
+@ray_app.command("start")
+def ray_start() -> None:
+    """Start a Ray head on 127.0.0.1 ($SMOLFLOW_RAY_PORT, default 6379) with this machine's CPUs."""
+    from flows.cluster import Ray
+
+    try:
+        Ray.here().start(say=typer.echo)
+    except SmolflowError as err:
+        _fail(err)
+
+
+@ray_app.command("stop")
+def ray_stop() -> None:
+    """`ray stop`: end this user's Ray processes on this machine."""
+    from flows.cluster import Ray
+
+    try:
+        Ray.here().stop(say=typer.echo)
+    except SmolflowError as err:
+        _fail(err)
+
+
+@ray_app.command("status")
+def ray_status() -> None:
+    """The head's address and whether it answers."""
+    from flows.cluster import Ray
+
+    for key, value in Ray.here().status().items():
+        typer.echo(f"{key}: {value}")
 
 
 if __name__ == "__main__":

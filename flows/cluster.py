@@ -1,11 +1,15 @@
-"""A single-node Slurm cluster on this machine: `smolflow cluster slurm start|stop|status`.
+"""Local clusters on this machine: `smolflow cluster slurm|ray start|stop|status`.
 
-How a user tries the scale-out paths on a laptop, and how the tests get a real Slurm: Debian's
+How a user tries the scale-out paths on a laptop, and how the tests get real engines.
+
+Slurm: a single node from Debian's
 `slurm-wlm` and `munge` (installed with apt-get when missing and running as root), `munged`, then
 `slurmctld` and `slurmd` on one node named after this host, partition `cpu` (the recipe's default
 `executor.slurm.partition`). Its configuration, state, logs and PID files live under the project's
 state dir (`.smolflow/slurm/`), never in /etc: Slurm's commands find it through `SLURM_CONF`, which
 `env()` gives and `.smolflow/env` exports, so a machine's own Slurm configuration is left alone.
+
+Ray: a head node on 127.0.0.1 (no dashboard, no usage stats), found by `ray.init(address="auto")`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,3 +174,49 @@ class Slurm:
     def jobs(self) -> list[dict]:
         out = self.run("squeue", "--noheader", "--format=%i %j %T", check=False).stdout
         return [dict(zip(("id", "name", "state"), line.split())) for line in out.splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class Ray:
+    state: Path  # .smolflow/ray: the head's address
+    port: int = 6379
+
+    @classmethod
+    def here(cls) -> Ray:
+        root = Path(os.environ.get("SMOLFLOW_STATE", Path.cwd() / ".smolflow")).resolve()
+        return cls(state=root / "ray", port=int(os.environ.get("SMOLFLOW_RAY_PORT", "6379")))
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _ray(self, *args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+        ray = Path(sys.executable).with_name("ray")
+        if not ray.exists():
+            raise SmolflowError("Ray is not installed in this environment: pip install 'smolflow[cluster]' (make setup installs it)")
+        return subprocess.run([str(ray), *args], env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+
+    def up(self) -> bool:
+        proc = self._ray("status", f"--address={self.address}", timeout=60)
+        return proc.returncode == 0
+
+    def start(self, say=print) -> None:
+        if self.up():
+            say(f"Ray is already up at {self.address}")
+            return
+        self.state.mkdir(parents=True, exist_ok=True)
+        args = ["start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.port}", f"--num-cpus={os.cpu_count()}"]
+        proc = self._ray(*args, "--include-dashboard=false", "--disable-usage-stats", env={"RAY_USAGE_STATS_ENABLED": "0"})
+        if proc.returncode != 0:
+            raise SmolflowError(f"`ray start` failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-1500:]}")
+        (self.state / "address").write_text(self.address)
+        say(f"Ray is up at {self.address}; recipes with executor.kind=ray join it (or set RAY_ADDRESS={self.address})")
+
+    def stop(self, say=print) -> None:
+        """`ray stop` ends the Ray processes this user started on this machine."""
+        proc = self._ray("stop", timeout=120)
+        (self.state / "address").unlink(missing_ok=True)
+        say(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "Ray stopped")
+
+    def status(self) -> dict[str, object]:
+        return {"address": self.address, "up": self.up()}

@@ -74,6 +74,9 @@ class ExecutorCfg(Strict):
     workers: int = operational(2, gt=0, description="shards run at once (local executor)")
     slurm: SlurmCfg = operational(SlurmCfg())
     timeout_hours: float = operational(48, gt=0, description="a cluster pipeline still incomplete after this long fails its task")
+    ray_address: str | None = operational(
+        None, pattern=r"^[A-Za-z0-9_.:/\[\]-]+$", description="the Ray cluster (host:port, ray://...); default: the one started here"
+    )
 
 
 class S3Cfg(Strict):

@@ -1,4 +1,5 @@
-"""Curation on a real single-node Slurm cluster (flows/cluster.py): same results as local, failures and time-outs named."""
+"""Curation on a real single-node Slurm cluster and a real Ray head (flows/cluster.py): the same documents as local,
+failed ranks and time-outs named, no job left behind."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from flows.cluster import Slurm
+from flows.cluster import Ray, Slurm
 from infra.recipe import parse_recipe
 from tasks.curation import pipelines
 from tests.conftest import free_port
@@ -34,25 +35,60 @@ def slurm(tmp_path_factory):
     assert cluster.pid("slurmctld") is None and cluster.pid("slurmd") is None
 
 
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    head = Ray(state=tmp_path_factory.mktemp("ray"), port=free_port())
+    head.start()
+    before = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = head.address
+    yield head
+    import ray
+
+    ray.shutdown()
+    head.stop()
+    if before is None:
+        os.environ.pop("RAY_ADDRESS")
+    else:
+        os.environ["RAY_ADDRESS"] = before
+    assert not head.up()
+
+
+def cluster_executor(kind: str, **changes):
+    data = micro_recipe(executor={"kind": kind, "tasks": 2, "workers": 2, "slurm": {"mem_per_cpu_gb": 0.5}, **changes})
+    return parse_recipe(data, f"{kind} recipe").executor
+
+
 def slurm_executor(**changes):
-    data = micro_recipe(executor={"kind": "slurm", "tasks": 2, "workers": 2, "slurm": {"mem_per_cpu_gb": 0.5}, **changes})
-    return parse_recipe(data, "slurm recipe").executor
+    return cluster_executor("slurm", **changes)
 
 
-def test_curation_on_slurm_keeps_the_same_documents_as_local(slurm, planted, tmp_path):  # noqa: F811
-    ex = slurm_executor()
-    recipe = planted["recipe"]
+def curate_and_compare(ex, local, tmp_path):
+    recipe = local["recipe"]
     steps = {name: tmp_path / name for name in ("ingest", "filter", "dedup", "decont")}
-    pipelines.ingest(recipe.sources, {"web": str(planted["root"] / "raw")}, ex, recipe.storage.s3, False, steps["ingest"])
+    pipelines.ingest(recipe.sources, {"web": str(local["root"] / "raw")}, ex, recipe.storage.s3, False, steps["ingest"])
     pipelines.filter_docs({"web": {}}, ex, steps["ingest"], steps["filter"])
     dedup = pipelines.dedup(recipe.curate.dedup, ex, steps["filter"], steps["dedup"])
     decont = pipelines.decontaminate(recipe.curate.decontaminate, ex, steps["dedup"], steps["decont"])
     for name in steps:
-        local = sorted(read_ids(planted["steps"][name] / "data"))
-        assert local and sorted(read_ids(steps[name] / "data")) == local, f"{name}: Slurm kept other documents"
-    assert (dedup, decont) == (planted["dedup"], planted["decont"])
+        kept = sorted(read_ids(local["steps"][name] / "data"))
+        assert kept and sorted(read_ids(steps[name] / "data")) == kept, f"{name}: {ex.kind} kept other documents than local"
+    assert (dedup, decont) == (local["dedup"], local["decont"])
+    return steps
+
+
+def test_curation_on_slurm_keeps_the_same_documents_as_local(slurm, planted, tmp_path):  # noqa: F811
+    steps = curate_and_compare(slurm_executor(), planted, tmp_path)
     assert list((steps["dedup"] / "logs").rglob("slurm_logs/*.out")), "the jobs' Slurm logs are in the step folder"
     assert slurm.jobs() == []
+
+
+def test_curation_on_ray_keeps_the_same_documents_as_local(ray_head, planted, tmp_path):  # noqa: F811
+    curate_and_compare(cluster_executor("ray"), planted, tmp_path)
+
+
+def test_a_failed_ray_task_fails_the_task_with_its_log(ray_head, tmp_path):
+    with pytest.raises(pipelines.ClusterJobFailed, match=r"1 of 2 tasks incomplete(.|\n)*rank 1 broke on purpose"):
+        pipelines.run_pipeline(cluster_executor("ray"), [fail_on_rank_1], tmp_path / "logs", 2, "broken")
 
 
 def fail_on_rank_1(data, rank: int = 0, world_size: int = 1):

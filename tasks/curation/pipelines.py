@@ -76,7 +76,13 @@ def make_executor(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: in
         )
     from datatrove.executor import RayPipelineExecutor
 
-    return RayPipelineExecutor(pipeline, tasks=tasks, workers=cfg.workers, logging_dir=str(logging_dir))
+    return RayPipelineExecutor(
+        pipeline,
+        tasks=tasks,
+        workers=cfg.workers,
+        logging_dir=str(logging_dir),
+        time=round(cfg.timeout_hours * 3600),  # per task: Ray's executor runs them to the end itself
+    )
 
 
 def slurm_job_name(job_name: str, logging_dir: Path) -> str:
@@ -100,8 +106,17 @@ def run_pipeline(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: int
     """Run to completion (cluster jobs are polled; interrupted, they are cancelled) and return the per-step counters."""
     executor = make_executor(cfg, pipeline, logging_dir, tasks, job_name)
     log.info("%s: %d task(s) on the %s executor", job_name, tasks, cfg.kind)
-    if cfg.kind != "slurm":
+    if cfg.kind == "local":
         executor.run()
+        return read_stats(logging_dir)
+    if cfg.kind == "ray":
+        connect_ray(cfg.ray_address)
+        executor.run()
+        if left := executor.get_incomplete_ranks():
+            raise ClusterJobFailed(
+                f"{job_name}: its Ray tasks ended with {len(left)} of {tasks} tasks incomplete (ranks {left[:10]}); "
+                f"a retry runs only those. Rank {left[0]}:\n{_rank_log_tail(logging_dir, left[0])}"
+            )
         return read_stats(logging_dir)
     try:
         executor.run()
@@ -110,6 +125,21 @@ def run_pipeline(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: int
         _scancel(executor.job_name)
         raise
     return read_stats(logging_dir)
+
+
+def connect_ray(address: str | None) -> None:
+    """Join the Ray cluster at `address`, else the one $RAY_ADDRESS or this machine's last `ray start` names."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address or "auto", log_to_driver=False, configure_logging=False)
+    except ConnectionError as err:
+        raise SmolflowError(
+            f"no Ray cluster at {address or 'auto (RAY_ADDRESS, or the last one started here)'}: {err}; "
+            "start one with `smolflow cluster ray start` or set executor.ray_address"
+        ) from err
 
 
 def _slurm_jobs(name: str) -> list[tuple[str, str, str]]:
