@@ -36,6 +36,8 @@ SlurmctldPort={port}
 SlurmdPort={slurmd_port}
 SlurmUser=root
 AuthType=auth/munge
+# job credentials live 30 s (default 120): a requeued job waits this long before it may start again
+AuthInfo=cred_expire=30
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none

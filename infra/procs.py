@@ -23,6 +23,8 @@ from typing import Any
 
 import psutil
 
+PREEMPTED = 75  # a trainer's exit after a checkpoint forced by SIGTERM/SIGUSR1 (EX_TEMPFAIL): the task retries, it resumes
+
 OWNER_ENV = "SMOLFLOW_OWNER"  # "PID:START" of the task process that owns a launched tree
 HOST = socket.gethostname()
 

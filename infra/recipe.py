@@ -56,14 +56,20 @@ Count = Annotated[int, BeforeValidator(parse_count), Field(gt=0)]
 Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
 
 
+# Slurm values end up in batch scripts and sbatch command lines: no spaces, newlines or shell metacharacters
+SlurmWord = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.,:=/@%+-]+$")]
+SlurmTime = Annotated[str, Field(pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$", description="minutes, MM:SS, HH:MM:SS or D-HH:MM:SS")]
+SbatchArgs = dict[Annotated[str, Field(pattern=r"^[a-z][a-z-]*$")], Annotated[str, Field(pattern=r"^[A-Za-z0-9_.,:=/@%+-]*$")]]
+
+
 class SlurmCfg(Strict):
     """Where datatrove's Slurm executor submits; where a job runs does not change what it produces."""
 
-    partition: str = "cpu"
-    time: str = "24:00:00"
+    partition: SlurmWord = "cpu"
+    time: SlurmTime = "24:00:00"
     cpus_per_task: int = Field(1, gt=0)
     mem_per_cpu_gb: float = Field(2, gt=0)
-    sbatch_args: dict[str, str] = {}
+    sbatch_args: SbatchArgs = {}
 
 
 class ExecutorCfg(Strict):
@@ -334,17 +340,30 @@ class SpikeCfg(Strict):
     warmup_steps: int = Field(20, ge=0, description="no checks before the running mean settles")
 
 
+class SlurmJobCfg(Strict):
+    """The trainer's batch job (`launcher.kind: slurm`): `nodes` x `launcher.nproc` ranks started by srun."""
+
+    partition: SlurmWord = "cpu"
+    time: SlurmTime = "24:00:00"
+    nodes: int = Field(1, gt=0)
+    gpus_per_node: int = Field(0, ge=0)
+    signal_s: int = Field(300, gt=0, description="USR1 this long before the time limit: the ranks checkpoint and the job requeues")
+    sbatch_args: SbatchArgs = {}
+
+
 class LauncherCfg(Strict):
-    """How trainer processes start: one process, torchrun, or the deepspeed launcher (multi-node: hostfile).
+    """How trainer processes start: one process, torchrun, the deepspeed launcher (multi-node: hostfile),
+    or a Slurm batch job (`slurm`).
 
     Operational: the global batch is fixed by `batch_size`, and a phase resumes its checkpoints on
     another rank count (through DeepSpeed's universal format when ZeRO shards must be re-split).
     """
 
-    kind: Literal["python", "torchrun", "deepspeed"] = operational("python")
+    kind: Literal["python", "torchrun", "deepspeed", "slurm"] = operational("python")
     nproc: int = operational(1, gt=0, description="ranks per node")
     threads_per_rank: int = operational(2, gt=0)
     hostfile: str | None = operational(None)
+    slurm: SlurmJobCfg = operational(SlurmJobCfg())
 
 
 class ParallelCfg(Strict):

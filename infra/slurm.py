@@ -1,76 +1,170 @@
-"""Multi-node pretraining on Slurm: a batch script that runs the deepspeed launcher over the allocation.
+"""A trainer as a Slurm batch job (`launcher.kind: slurm`): the batch script, submitting it, following it.
 
-The job is requeued on preemption or timeout (`--requeue`, plus a USR1 warning five minutes before
-the time limit); the requeued run starts the same trainer job, which resumes from its newest
-complete checkpoint (local, or pulled from the S3 mirror on a different node).
+srun starts every rank itself (RANK, WORLD_SIZE, LOCAL_RANK from Slurm's task ids), with no torchrun
+agent in between, so Slurm's signals reach the ranks: USR1 `signal_s` before the time limit and
+SIGTERM on preemption or `scontrol requeue` both make the trainer checkpoint and exit with
+PREEMPTED (model/train.py). The job is `--requeue`able; on PREEMPTED the script requeues it itself,
+and a requeued job resumes from its newest complete checkpoint. Output is appended to one file per
+job, which the task streams into its log while it polls the job's state.
+
+A job outlives the task that submitted it (no tether): a relaunched task finds the step's job by its
+name and follows it instead of submitting a second one. An interrupted or cancelled task scancels it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 import shlex
+import subprocess
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from infra.recipe import Recipe
+from infra.errors import SmolflowError
+from infra.procs import PREEMPTED
+from infra.recipe import LauncherCfg
+
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 
 TEMPLATE = """#!/bin/bash
-#SBATCH --job-name={job_name}
-#SBATCH --nodes={nodes}
-#SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={gpus_per_node}
-#SBATCH --cpus-per-task={cpus_per_task}
+#SBATCH --job-name={name}
 #SBATCH --partition={partition}
 #SBATCH --time={time}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node={nproc}
+#SBATCH --cpus-per-task={threads}
 #SBATCH --requeue
-#SBATCH --signal=B:USR1@300
-#SBATCH --output={log_dir}/%x-%j.out
-set -euo pipefail
-
-# preempted or near the time limit: requeue; the trainer resumes from its newest checkpoint
-trap 'echo "requeueing $SLURM_JOB_ID"; scontrol requeue "$SLURM_JOB_ID"' USR1
-
-HOSTFILE={hostfile}
-scontrol show hostnames "$SLURM_JOB_NODELIST" | awk '{{print $1" slots={gpus_per_node}"}}' > "$HOSTFILE"
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export MASTER_ADDR OMP_NUM_THREADS={threads}
-
-{launch} &
-wait $!
+#SBATCH --open-mode=append
+#SBATCH --signal=USR1@{signal_s}
+#SBATCH --output={log}
+{extra}
+set -uo pipefail
+export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000)) OMP_NUM_THREADS={threads}{loopback}
+echo "smolflow: job $SLURM_JOB_ID start ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST"
+# USR1 ignored until the trainer installs its handler (an ignored signal stays ignored across exec)
+srun --kill-on-bad-exit=1 bash -c 'trap "" USR1; RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID \\
+  exec {python} -m {module} {args}'
+code=$?
+if [ "$code" -eq {preempted} ]; then
+  echo "smolflow: the ranks checkpointed on a signal; requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$code"
 """
 
 
-def sbatch_script(recipe: Recipe, stage: str, job_file: Path, nodes: int, gpus_per_node: int, log_dir: Path) -> str:
-    """The batch script for one pretraining stage's trainer job on `nodes` x `gpus_per_node` GPUs."""
-    p, slurm = recipe.pretrain, recipe.executor.slurm
-    hostfile = log_dir / f"hostfile-{stage}-$SLURM_JOB_ID"
-    deepspeed = Path(sys.executable).with_name("deepspeed")
-    launch = " ".join(
-        [
-            shlex.quote(str(deepspeed)),
-            "--hostfile",
-            '"$HOSTFILE"',
-            "--num_gpus",
-            str(gpus_per_node),
-            "--num_nodes",
-            str(nodes),
-            "--master_addr",
-            '"$MASTER_ADDR"',
-            "--master_port",
-            "29500",
-            "--module",
-            "model.train",
-            shlex.quote(str(job_file)),
-        ]
-    )
+def job_name(out: Path) -> str:
+    """One name per step folder: how a relaunched task finds the job its predecessor submitted."""
+    return f"smolflow-{out.name}-{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:8]}"
+
+
+def batch_script(cfg: LauncherCfg, name: str, log: Path, module: str, args: list[str]) -> str:
+    slurm = cfg.slurm
+    extra = [f"#SBATCH --gpus-per-node={slurm.gpus_per_node}"] if slurm.gpus_per_node else []
+    extra += [f"#SBATCH --{key}={value}" if value else f"#SBATCH --{key}" for key, value in slurm.sbatch_args.items()]
     return TEMPLATE.format(
-        job_name=f"smolflow-{recipe.name}-{stage}",
-        nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        cpus_per_task=slurm.cpus_per_task,
+        name=name,
         partition=slurm.partition,
         time=slurm.time,
-        log_dir=log_dir,
-        hostfile=hostfile,
-        threads=p.launcher.threads_per_rank,
-        launch=launch,
+        nodes=slurm.nodes,
+        nproc=cfg.nproc,
+        threads=cfg.threads_per_rank,
+        signal_s=slurm.signal_s,
+        log=log,
+        extra="\n".join(extra),
+        loopback=" GLOO_SOCKET_IFNAME=lo" if slurm.nodes == 1 else "",
+        python=shlex.quote(sys.executable),
+        module=module,
+        args=" ".join(shlex.quote(a) for a in args),
+        preempted=PREEMPTED,
     )
+
+
+class SlurmError(SmolflowError):
+    """sbatch, squeue or scontrol failed (no controller, bad partition); retried: the controller may be back."""
+
+    retryable = True
+
+
+def _run(*cmd: str, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise SlurmError(f"`{' '.join(cmd[:2])}` failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-800:]}")
+    return proc.stdout
+
+
+def find(name: str) -> str | None:
+    """The id of a queued or running job called `name`."""
+    ids = _run("squeue", "--noheader", f"--name={name}", "--format=%i").split()
+    return ids[0] if ids else None
+
+
+def submit(script: Path, env: dict[str, str]) -> str:
+    return _run("sbatch", "--parsable", str(script), env=env).strip().split(";")[0]
+
+
+def cancel(job: str, wait_s: float = 120) -> None:
+    """scancel, then wait until the job has left the queue (its ranks no longer write)."""
+    subprocess.run(["scancel", job], capture_output=True, timeout=60)
+    deadline = time.time() + wait_s
+    while time.time() < deadline and state(job).name not in ENDED | {"GONE"}:
+        time.sleep(1)
+
+
+@dataclass(frozen=True)
+class JobState:
+    name: str  # PENDING, RUNNING, COMPLETED, ... ; GONE when the controller no longer knows it
+    exit_code: int | None = None
+    restarts: int = 0
+    reason: str = ""
+
+
+def state(job: str) -> JobState:
+    proc = subprocess.run(["scontrol", "show", "job", "--oneliner", job], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        if "Invalid job id" in proc.stderr:
+            return JobState("GONE")
+        raise SlurmError(f"scontrol show job {job} failed: {proc.stderr.strip()[-500:]}")
+    fields = dict(re.findall(r"(\w+)=(\S*)", proc.stdout))
+    code = fields.get("ExitCode", "0:0").split(":")[0]
+    exit_code = int(code) if code.isdigit() else None
+    return JobState(fields.get("JobState", "UNKNOWN"), exit_code, int(fields.get("Restarts", 0)), fields.get("Reason", ""))
+
+
+def follow(job: str, log: Path, on_line: Callable[[str], None], poll_s: float = 2.0) -> JobState:
+    """Stream the job's output to `on_line` until it ends (requeues included); interrupted, cancel it."""
+    offset, restarts, last = 0, 0, ""
+    try:
+        while True:
+            current = state(job)
+            offset = _stream(log, offset, on_line)
+            if current.restarts != restarts:
+                on_line(f"slurm: job {job} requeued (restart {current.restarts})")
+                restarts = current.restarts
+            if current.name != last:
+                on_line(f"slurm: job {job} {current.name}{f' ({current.reason})' if current.reason not in ('', 'None') else ''}")
+                last = current.name
+            if current.name in ENDED | {"GONE"}:
+                _stream(log, offset, on_line)
+                return current
+            time.sleep(poll_s)
+    except BaseException:
+        cancel(job)
+        raise
+
+
+def _stream(log: Path, offset: int, on_line: Callable[[str], None]) -> int:
+    """Pass complete lines written since `offset`; returns the new offset."""
+    if not log.exists():
+        return offset
+    with open(log, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    for line in data[:end].decode(errors="replace").splitlines():
+        on_line(line)
+    return offset + end

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
-from infra.procs import die_with_parent, watch_owner
+from infra.procs import PREEMPTED, die_with_parent, watch_owner
 from infra.recipe import CheckpointCfg, ModelCfg, S3Cfg, SpikeCfg, Strict, operational
 from infra.storage import Mirror
 from model.checkpoint import MARKER, CheckpointStore, DiskFull, MirrorBehind, tag_for, verify, weights_only_engine
@@ -118,7 +118,6 @@ class TrainJob(BaseModel):
 
 
 UPLOAD_WAIT_S = 300  # at a phase's end, how long checkpoint uploads failing in an outage are retried before it ends without them
-PREEMPTED = 75  # exit code after a checkpoint forced by SIGTERM/SIGUSR1 (EX_TEMPFAIL): the task retries
 
 
 class Preemption:

@@ -9,16 +9,18 @@ on whatever rank count the launcher now has: the rank count is operational, the 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from prefect.artifacts import create_table_artifact
 
+from infra import slurm
 from infra.errors import SmolflowError
 from infra.launch import free_port, launch_command, launch_env, run_streaming
+from infra.procs import OWNER_ENV, PREEMPTED
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
 from infra.steps import StepOutput, building_step_id
-from model.train import PREEMPTED, Schedule, TrainConfig, TrainJob
+from model.train import Schedule, TrainConfig, TrainJob
 from tasks.common import run_logger, stage_task
 from tasks.curation.mixtures import MixturePhase, windows
 
@@ -132,9 +134,13 @@ def train_phase(cfg: PhaseStepCfg, inputs: Mapping[str, StepOutput], out: Path) 
     )
     job_path = out / "job.json"
     job_path.write_text(job.model_dump_json(indent=2))
-    command = launch_command(cfg.launcher, "model.train", [str(job_path)], port=free_port())
-    log.info("pretrain %s: %s", t.phase, " ".join(command))
-    code = run_streaming(command, launch_env(cfg.launcher, trainer_env(cfg.storage, run_dir)), log.info)
+    env = launch_env(cfg.launcher, trainer_env(cfg.storage, run_dir))
+    if cfg.launcher.kind == "slurm":
+        code = run_slurm_job(cfg.launcher, out, job_path, env, t.phase)
+    else:
+        command = launch_command(cfg.launcher, "model.train", [str(job_path)], port=free_port())
+        log.info("pretrain %s: %s", t.phase, " ".join(command))
+        code = run_streaming(command, env, log.info)
     summary = out / "summary.json"  # written last, by rank 0, once the phase is done
     if code == PREEMPTED:
         raise TrainerFailed(f"pretrain {t.phase}: the trainer was signalled (preemption, cancel), checkpointed and exited; a retry resumes")
@@ -143,6 +149,25 @@ def train_phase(cfg: PhaseStepCfg, inputs: Mapping[str, StepOutput], out: Path) 
             f"pretrain {t.phase}: trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint"
         )
     return json.loads(summary.read_text())
+
+
+def run_slurm_job(
+    launcher: LauncherCfg, out: Path, job_path: Path, env: dict[str, str], phase: str, on_line: Callable[[str], None] | None = None
+) -> int | None:
+    """Submit the phase's batch job, or follow the one a previous attempt of this step submitted; its exit code."""
+    log, name, job_log = run_logger(), slurm.job_name(out), out / "slurm.log"
+    job = slurm.find(name)
+    if job is None:
+        script = out / "job.sbatch"
+        script.write_text(slurm.batch_script(launcher, name, job_log, "model.train", [str(job_path)]))
+        job = slurm.submit(script, {k: v for k, v in env.items() if k != OWNER_ENV})  # the job outlives this task
+        log.info("pretrain %s: submitted Slurm job %s (%s)", phase, job, script)
+    else:
+        log.info("pretrain %s: following Slurm job %s, submitted by an earlier attempt", phase, job)
+    end = slurm.follow(job, job_log, on_line or log.info)
+    if end.name != "COMPLETED":
+        log.warning("pretrain %s: Slurm job %s ended %s (exit code %s)", phase, job, end.name, end.exit_code)
+    return PREEMPTED if end.name in ("TIMEOUT", "PREEMPTED", "NODE_FAIL") else end.exit_code
 
 
 @stage_task("pretrain-report", retries=1)

@@ -4,16 +4,20 @@ failed ranks and time-outs named, no job left behind."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
 
 from flows.cluster import Ray, Slurm
-from infra.recipe import parse_recipe
+from infra.launch import launch_env
+from infra.recipe import LauncherCfg, parse_recipe
 from tasks.curation import pipelines
+from tasks.pretrain import run_slurm_job
 from tests.conftest import free_port
 from tests.helpers import micro_recipe
 from tests.test_curation import planted, read_ids  # noqa: F401  (planted: the fixture, curated locally)
+from tests.test_pretrain import data, losses, make_job, run_job  # noqa: F401  (data: the fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +58,8 @@ def ray_head(tmp_path_factory):
 
 
 def cluster_executor(kind: str, **changes):
-    data = micro_recipe(executor={"kind": kind, "tasks": 2, "workers": 2, "slurm": {"mem_per_cpu_gb": 0.5}, **changes})
-    return parse_recipe(data, f"{kind} recipe").executor
+    recipe = micro_recipe(executor={"kind": kind, "tasks": 2, "workers": 2, "slurm": {"mem_per_cpu_gb": 0.5}, **changes})
+    return parse_recipe(recipe, f"{kind} recipe").executor
 
 
 def slurm_executor(**changes):
@@ -91,15 +95,15 @@ def test_a_failed_ray_task_fails_the_task_with_its_log(ray_head, tmp_path):
         pipelines.run_pipeline(cluster_executor("ray"), [fail_on_rank_1], tmp_path / "logs", 2, "broken")
 
 
-def fail_on_rank_1(data, rank: int = 0, world_size: int = 1):
+def fail_on_rank_1(docs, rank: int = 0, world_size: int = 1):
     if rank == 1:
         raise RuntimeError("rank 1 broke on purpose")
-    yield from data or []
+    yield from docs or []
 
 
-def sleep_long(data, rank: int = 0, world_size: int = 1):
+def sleep_long(docs, rank: int = 0, world_size: int = 1):
     time.sleep(120)
-    yield from data or []
+    yield from docs or []
 
 
 def test_a_failed_rank_fails_the_task_with_its_log_and_leaves_no_job(slurm, tmp_path):
@@ -114,3 +118,69 @@ def test_a_pipeline_past_its_time_budget_fails_and_its_jobs_are_cancelled(slurm,
         pipelines.run_pipeline(slurm_executor(timeout_hours=0.002), [sleep_long], tmp_path / "logs", 2, "slow")
     assert time.time() - started < 100  # it gave up before the jobs could finish
     assert slurm.jobs() == []
+
+
+# --- pretraining as a Slurm job ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torchrun_reference(data, tmp_path_factory):  # noqa: F811
+    """The 2-rank phase under torchrun: what the same phase as a Slurm job must reproduce."""
+    out = tmp_path_factory.mktemp("torchrun")
+    run_job(make_job(data, out, world=2, batch_size=8), LauncherCfg(kind="torchrun", nproc=2, threads_per_rank=1))
+    return losses(out)
+
+
+def slurm_launcher(**slurm) -> LauncherCfg:
+    return LauncherCfg(kind="slurm", nproc=2, threads_per_rank=1, slurm={"time": "10", **slurm})
+
+
+def same_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want), "the job logged other steps"
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+    assert worst < 1e-6, f"losses differ by up to {worst:.2e} (relative)"
+
+
+def test_a_pretraining_phase_as_a_slurm_job_equals_torchrun(slurm, data, torchrun_reference, tmp_path):  # noqa: F811
+    out = tmp_path / "phase"
+    job = make_job(data, out, world=2, batch_size=8)
+    lines: list[str] = []
+    code = run_slurm_job(slurm_launcher(), out, job, launch_env(slurm_launcher()), "s1", on_line=lines.append)
+    assert code == 0, "\n".join(lines[-30:])
+    assert any(line.startswith("[rank0]") or "step" in line for line in lines), "the job's log reached the task log"
+    same_losses(losses(out), torchrun_reference)
+    assert slurm.jobs() == []
+
+
+def test_a_requeued_job_checkpoints_and_resumes_with_the_same_losses(slurm, data, torchrun_reference, tmp_path):  # noqa: F811
+    out = tmp_path / "phase"
+    job = make_job(data, out, world=2, batch_size=8)
+    lines: list[str] = []
+    result: dict[str, int | None] = {}
+    follower = threading.Thread(
+        target=lambda: result.update(code=run_slurm_job(slurm_launcher(), out, job, launch_env(slurm_launcher()), "s1", lines.append))
+    )
+    follower.start()
+    deadline = time.time() + 300
+    while not list((out / "checkpoints").glob("*/checkpoint.json")):  # mid-phase: a checkpoint is down
+        assert time.time() < deadline and follower.is_alive(), "\n".join(lines[-30:])
+        time.sleep(0.5)
+    job_id = slurm.jobs()[0]["id"]
+    slurm.run("scontrol", "requeue", job_id)
+    follower.join(timeout=600)
+    assert result.get("code") == 0, "\n".join(lines[-40:])
+    assert any("requeued (restart 1)" in line for line in lines), "\n".join(lines[-40:])
+    assert any("resumed s1 from checkpoint" in line for line in lines), "the restarted job began again instead of resuming"
+    same_losses(losses(out), torchrun_reference)
+
+
+def test_a_job_at_its_time_limit_checkpoints_requeues_and_resumes(slurm, data, torchrun_reference, tmp_path):  # noqa: F811
+    """A 1-minute limit with the warning 45 s before it: USR1 reaches the ranks mid-phase, they checkpoint, the job requeues."""
+    out = tmp_path / "phase"
+    job = make_job(data, out, world=2, batch_size=8)
+    launcher = slurm_launcher(time="1", signal_s=45)
+    lines: list[str] = []
+    code = run_slurm_job(launcher, out, job, launch_env(launcher), "s1", lines.append)
+    assert code == 0, "\n".join(lines[-40:])
+    assert any("received SIGUSR1" in line for line in lines) and any("requeued (restart 1)" in line for line in lines), "\n".join(lines)
+    same_losses(losses(out), torchrun_reference)

@@ -202,17 +202,18 @@ def test_planner_flags_bad_plans():
     assert any("GiB per GPU with ZeRO-0" in p for p in problems)
 
 
-def test_slurm_script_requeues_and_launches_every_node(tmp_path):
+def test_slurm_batch_script_of_the_3b_recipe_requeues_and_starts_every_rank(tmp_path):
     import subprocess
 
-    from infra.slurm import sbatch_script
+    from infra.slurm import batch_script
 
-    recipe = load_recipe(REPO / "configs" / "smollm3-3b.yaml")
-    script = sbatch_script(recipe, "stage1", tmp_path / "job.json", nodes=48, gpus_per_node=8, log_dir=tmp_path)
-    assert "#SBATCH --requeue" in script and "#SBATCH --nodes=48" in script and "#SBATCH --gpus-per-node=8" in script
-    assert "scontrol requeue" in script and "--signal=B:USR1@300" in script
-    launch = next(line for line in script.splitlines() if "--module model.train" in line)
-    assert '--hostfile "$HOSTFILE" --num_gpus 8 --num_nodes 48' in launch and launch.endswith("job.json &")
+    launcher = load_recipe(REPO / "configs" / "smollm3-3b.yaml").pretrain.launcher
+    script = batch_script(launcher, "smolflow-stage1", tmp_path / "job.log", "model.train", [str(tmp_path / "job.json")])
+    for directive in ("--requeue", "--nodes=48", "--ntasks-per-node=8", "--gpus-per-node=8", "--signal=USR1@600", "--exclusive"):
+        assert f"#SBATCH {directive}\n" in script, directive
+    launch = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert "RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID exec" in launch and "-m model.train" in launch
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script and "GLOO_SOCKET_IFNAME" not in script  # 48 nodes: not loopback
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid bash
 
 
