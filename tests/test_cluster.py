@@ -152,35 +152,37 @@ def test_a_pretraining_phase_as_a_slurm_job_equals_torchrun(slurm, data, torchru
     assert slurm.jobs() == []
 
 
-def test_a_requeued_job_checkpoints_and_resumes_with_the_same_losses(slurm, data, torchrun_reference, tmp_path):  # noqa: F811
-    out = tmp_path / "phase"
+def follow_and_interrupt(slurm: Slurm, data, out, interrupt: list[str]) -> list[str]:  # noqa: F811
+    """Run the phase as a job; once a checkpoint is down, run `interrupt` + the job id; returns the task's log lines."""
     job = make_job(data, out, world=2, batch_size=8)
     lines: list[str] = []
     result: dict[str, int | None] = {}
-    follower = threading.Thread(
-        target=lambda: result.update(code=run_slurm_job(slurm_launcher(), out, job, launch_env(slurm_launcher()), "s1", lines.append))
-    )
+    launcher = slurm_launcher()
+    env = launch_env(launcher)
+    follower = threading.Thread(target=lambda: result.update(code=run_slurm_job(launcher, out, job, env, "s1", lines.append)))
     follower.start()
     deadline = time.time() + 300
     while not list((out / "checkpoints").glob("*/checkpoint.json")):  # mid-phase: a checkpoint is down
         assert time.time() < deadline and follower.is_alive(), "\n".join(lines[-30:])
-        time.sleep(0.5)
-    job_id = slurm.jobs()[0]["id"]
-    slurm.run("scontrol", "requeue", job_id)
+        time.sleep(0.2)
+    slurm.run(*interrupt, slurm.jobs()[0]["id"])
     follower.join(timeout=600)
     assert result.get("code") == 0, "\n".join(lines[-40:])
     assert any("requeued (restart 1)" in line for line in lines), "\n".join(lines[-40:])
     assert any("resumed s1 from checkpoint" in line for line in lines), "the restarted job began again instead of resuming"
-    same_losses(losses(out), torchrun_reference)
+    return lines
 
 
-def test_a_job_at_its_time_limit_checkpoints_requeues_and_resumes(slurm, data, torchrun_reference, tmp_path):  # noqa: F811
-    """A 1-minute limit with the warning 45 s before it: USR1 reaches the ranks mid-phase, they checkpoint, the job requeues."""
-    out = tmp_path / "phase"
-    job = make_job(data, out, world=2, batch_size=8)
-    launcher = slurm_launcher(time="1", signal_s=45)
-    lines: list[str] = []
-    code = run_slurm_job(launcher, out, job, launch_env(launcher), "s1", lines.append)
-    assert code == 0, "\n".join(lines[-40:])
-    assert any("received SIGUSR1" in line for line in lines) and any("requeued (restart 1)" in line for line in lines), "\n".join(lines)
-    same_losses(losses(out), torchrun_reference)
+def test_a_requeued_job_checkpoints_and_resumes_with_the_same_losses(slurm, data, torchrun_reference, tmp_path):  # noqa: F811
+    """`scontrol requeue` (an operator, a preemption): Slurm sends SIGTERM, the ranks checkpoint, the job runs again."""
+    lines = follow_and_interrupt(slurm, data, tmp_path / "phase", ["scontrol", "requeue"])
+    assert any("received SIGTERM" in line for line in lines)
+    same_losses(losses(tmp_path / "phase"), torchrun_reference)
+
+
+def test_a_job_warned_of_its_time_limit_checkpoints_requeues_itself_and_resumes(slurm, data, torchrun_reference, tmp_path):  # noqa: F811
+    """USR1 to the job's steps, as Slurm sends it `signal_s` before the time limit (`--signal=USR1@N`): the ranks
+    checkpoint and exit PREEMPTED, the batch script requeues the job, the restart resumes."""
+    lines = follow_and_interrupt(slurm, data, tmp_path / "phase", ["scancel", "--signal=USR1"])
+    assert any("received SIGUSR1" in line for line in lines) and any("requeueing job" in line for line in lines)
+    same_losses(losses(tmp_path / "phase"), torchrun_reference)
