@@ -211,8 +211,9 @@ def test_slurm_batch_script_of_the_3b_recipe_requeues_and_starts_every_rank(tmp_
     script = batch_script(launcher, "smolflow-stage1", tmp_path / "job.log", "model.train", [str(tmp_path / "job.json")])
     for directive in ("--requeue", "--nodes=48", "--ntasks-per-node=8", "--gpus-per-node=8", "--signal=USR1@600", "--exclusive"):
         assert f"#SBATCH {directive}\n" in script, directive
-    launch = next(line for line in script.splitlines() if line.startswith("srun "))
-    assert "RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID exec" in launch and "-m model.train" in launch
+    launch = script[script.index("\nsrun ") : script.index("\ncode=$?")]
+    assert "RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID" in launch
+    assert "exec" in launch and "-m model.train" in launch
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script and "GLOO_SOCKET_IFNAME" not in script  # 48 nodes: not loopback
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid bash
 
