@@ -4,6 +4,9 @@ failed ranks and time-outs named, no job left behind."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,7 +18,7 @@ from infra.recipe import LauncherCfg, parse_recipe
 from tasks.curation import pipelines
 from tasks.pretrain import run_slurm_job
 from tests.conftest import free_port
-from tests.helpers import micro_recipe
+from tests.helpers import REPO, micro_recipe
 from tests.test_curation import planted, read_ids  # noqa: F401  (planted: the fixture, curated locally)
 from tests.test_pretrain import data, losses, make_job, run_job  # noqa: F401  (data: the fixture)
 
@@ -118,6 +121,40 @@ def test_a_pipeline_past_its_time_budget_fails_and_its_jobs_are_cancelled(slurm,
         pipelines.run_pipeline(slurm_executor(timeout_hours=0.002), [sleep_long], tmp_path / "logs", 2, "slow")
     assert time.time() - started < 100  # it gave up before the jobs could finish
     assert slurm.jobs() == []
+
+
+CANCELLED_FLOW = """
+import sys
+from pathlib import Path
+
+from prefect import flow
+
+from tasks.curation import pipelines
+from tests.test_cluster import cluster_executor, sleep_long
+
+
+@flow
+def curate_on_slurm():
+    pipelines.run_pipeline(cluster_executor("slurm"), [sleep_long], Path(sys.argv[1]), 2, "cancelled")
+
+
+curate_on_slurm()
+"""
+
+
+def test_a_cancelled_flow_run_cancels_its_slurm_jobs(slurm, prefect_server, tmp_path):
+    """A worker cancels a flow run with SIGTERM, which Prefect turns into an exception in the flow: its jobs go too."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    proc = subprocess.Popen([sys.executable, "-c", CANCELLED_FLOW, str(tmp_path / "logs")], env=env, cwd=REPO)
+    deadline = time.time() + 180
+    while not any(job["state"] == "RUNNING" for job in slurm.jobs()):
+        assert time.time() < deadline and proc.poll() is None, "the flow never got its jobs running"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=150)
+    assert slurm.jobs() == [], "the cancelled flow run left its Slurm jobs running"
 
 
 # --- pretraining as a Slurm job ---------------------------------------------------------------------
