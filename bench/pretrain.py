@@ -1,9 +1,12 @@
-"""Benchmark: the trainer's tokens/s against a bare PyTorch loop on the same model and batches.
+"""Benchmark: the trainer's tokens/s against a bare PyTorch loop on the same model and batches;
+with --slurm, a 2-rank phase under torchrun against the same phase as a Slurm job (the local cluster).
 
 Both train the tiny recipe's SmolLM3 (seq 256, micro-batch 16, fp32, 2 threads) on the same packed
 batches; the bare loop runs before and after the trainer and the ratio uses their mean (these
 machines are noisy: compare ratios from one run). MFU is against this machine's measured fp32
-matmul peak. Usage:  .venv/bin/python bench/pretrain.py [--steps 60]
+matmul peak. With --slurm (after `smolflow cluster slurm start`, with SLURM_CONF exported) both sides
+run 2 ranks of 1 thread, back to back: per job, the wall time from launch to exit; per step, tokens/s.
+Usage:  .venv/bin/python bench/pretrain.py [--steps 60] [--slurm]
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from model.data import MixtureBatches, TokenSource, sample_order  # noqa: E402
 from model.network import build_model, flops_per_token, model_config, param_groups  # noqa: E402
 from model.train import Schedule, TrainJob, lm_loss, measure_peak_flops  # noqa: E402
 from tasks.curation import tokenizer as bpe  # noqa: E402
-from tasks.pretrain import train_configs  # noqa: E402
+from tasks.pretrain import run_slurm_job, train_configs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,8 +63,8 @@ def bare_loop(recipe, batches: MixtureBatches, vocab: int, steps: int, warmup: i
     return steps * batches.batch_size * p.seq_len / (time.perf_counter() - start)
 
 
-def trainer(recipe, root: Path, samples: dict[str, int], steps: int, log_every: int, peak: float) -> tuple[float, dict]:
-    """Tokens/s the real trainer process logs (its first window, with start-up, left out)."""
+def trainer(recipe, root: Path, samples: dict[str, int], steps: int, log_every: int, peak: float, launcher: LauncherCfg):
+    """Tokens/s the real trainer logs (its first window, with start-up, left out), its summary, and the job's wall time."""
     phase1 = train_configs(recipe)[0]
     opt = recipe.pretrain.optimizer
     config = phase1.model_copy(
@@ -70,33 +73,52 @@ def trainer(recipe, root: Path, samples: dict[str, int], steps: int, log_every: 
             "schedule": Schedule(steps=steps, total=steps, warmup=opt.warmup_steps, decay_start=steps, peak=opt.lr, floor=opt.lr),
             "log_every": log_every,
             "tracking": "none",
-            "threads": 2,
+            "threads": launcher.threads_per_rank,
+            "micro_batch_size": phase1.micro_batch_size // launcher.nproc,  # the same global batch on every rank count
             "checkpoint": recipe.pretrain.checkpoint.model_copy(update={"every_steps": steps}),
             "peak_flops": peak,
         }
     )
+    out = root / f"out-{launcher.kind}"
     job = TrainJob(
         config=config,
         sources={n: str(root / n) for n in samples},
         tokenizer_dir=str(root / "tok"),
-        out_dir=str(root / "out"),
-        checkpoint_dir=str(root / "out" / "checkpoints"),
+        out_dir=str(out),
+        checkpoint_dir=str(out / "checkpoints"),
     )
-    (root / "out").mkdir()
-    (root / "job.json").write_text(job.model_dump_json())
-    launcher = LauncherCfg(kind="python", nproc=1, threads_per_rank=2)
+    out.mkdir()
+    (out / "job.json").write_text(job.model_dump_json())
     lines: list[str] = []
-    code = run_streaming(launch_command(launcher, "model.train", [str(root / "job.json")], 29600), launch_env(launcher), lines.append)
+    start = time.perf_counter()
+    if launcher.kind == "slurm":
+        code = run_slurm_job(launcher, out, out / "job.json", launch_env(launcher), "s1", lines.append)
+    else:
+        code = run_streaming(launch_command(launcher, "model.train", [str(out / "job.json")], 29600), launch_env(launcher), lines.append)
+    wall = time.perf_counter() - start
     if code != 0:
-        raise SystemExit("trainer failed:\n" + "\n".join(lines[-20:]))
-    rows = [json.loads(line) for line in (root / "out" / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((root / "out" / "summary.json").read_text())
-    return float(np.mean([r["tokens_per_s"] for r in rows[1:]])), summary
+        raise SystemExit(f"trainer ({launcher.kind}) failed:\n" + "\n".join(lines[-20:]))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    return float(np.mean([r["tokens_per_s"] for r in rows[1:]])), summary, wall
+
+
+def compare_slurm(recipe, root: Path, samples: dict[str, int], steps: int, log_every: int, peak: float) -> None:
+    torchrun = LauncherCfg(kind="torchrun", nproc=2, threads_per_rank=1)
+    slurm = LauncherCfg(kind="slurm", nproc=2, threads_per_rank=1, slurm={"time": "30"})
+    t_tps, _, t_wall = trainer(recipe, root, samples, steps, log_every, peak, torchrun)
+    s_tps, _, s_wall = trainer(recipe, root, samples, steps, log_every, peak, slurm)
+    print(f"2 ranks x 1 thread, {steps} steps of the tiny recipe's phase 1")
+    print(f"{'':18}{'job wall s':>11}{'tokens/s':>10}")
+    print(f"{'torchrun':18}{t_wall:11.1f}{t_tps:10,.0f}")
+    print(f"{'Slurm job':18}{s_wall:11.1f}{s_tps:10,.0f}")
+    print(f"per job: Slurm adds {s_wall - t_wall:+.1f} s (submit, schedule, poll); per step: tokens/s ratio {s_tps / t_tps:.3f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--slurm", action="store_true", help="compare torchrun with a Slurm job (2 ranks each) instead")
     args = parser.parse_args()
     torch.set_num_threads(2)
     recipe = load_recipe(REPO / "configs" / "tiny.yaml")
@@ -116,8 +138,11 @@ def main() -> None:
         batches = MixtureBatches(sources, sample_order(list(samples.values()), 0, 0), p.seq_len, p.micro_batch_size, p.batch_size)
         steps = batches.steps - 5
         peak = measure_peak_flops(seconds=2.0)
+        if args.slurm:
+            return compare_slurm(recipe, root, samples, batches.steps, max(1, steps // 6), peak)
         bare_before = bare_loop(recipe, batches, vocab, steps // 2, warmup=3)
-        ours, summary = trainer(recipe, root, samples, batches.steps, max(1, steps // 6), peak)
+        launcher = LauncherCfg(kind="python", nproc=1, threads_per_rank=2)
+        ours, summary, _ = trainer(recipe, root, samples, batches.steps, max(1, steps // 6), peak, launcher)
         bare_after = bare_loop(recipe, batches, vocab, steps // 2, warmup=3)
         bare = (bare_before + bare_after) / 2
         fpt = flops_per_token(model_config(recipe.model, vocab, p.seq_len), p.seq_len)
