@@ -112,7 +112,7 @@ def sleep_long(docs, rank: int = 0, world_size: int = 1):
 def test_a_failed_rank_fails_the_task_with_its_log_and_leaves_no_job(slurm, tmp_path):
     with pytest.raises(pipelines.ClusterJobFailed, match=r"1 of 2 tasks incomplete(.|\n)*rank 1 broke on purpose"):
         pipelines.run_pipeline(slurm_executor(), [fail_on_rank_1], tmp_path / "logs", 2, "broken")
-    assert slurm.jobs() == []  # the stats merge that waited on the failed array is cancelled too
+    assert slurm.jobs() == []
 
 
 def test_a_pipeline_past_its_time_budget_fails_and_its_jobs_are_cancelled(slurm, tmp_path):

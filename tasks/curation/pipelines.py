@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from datatrove.executor import LocalPipelineExecutor
+from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
 from datatrove.pipeline.decont import NGramsDecontConfig, NGramsDecontFilter
 from datatrove.pipeline.dedup import MinhashDedupCluster, MinhashDedupFilter, MinhashDedupSignature
 from datatrove.pipeline.dedup.exact_dedup import (
@@ -58,9 +58,7 @@ def make_executor(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: in
     if cfg.kind == "local":
         return LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(cfg.workers, tasks), logging_dir=str(logging_dir))
     if cfg.kind == "slurm":
-        from datatrove.executor import SlurmPipelineExecutor
-
-        return SlurmPipelineExecutor(
+        return SlurmExecutor(
             pipeline,
             tasks=tasks,
             time=cfg.slurm.time,
@@ -83,6 +81,14 @@ def make_executor(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: in
         logging_dir=str(logging_dir),
         time=round(cfg.timeout_hours * 3600),  # per task: Ray's executor runs them to the end itself
     )
+
+
+class SlurmExecutor(SlurmPipelineExecutor):
+    """datatrove's Slurm executor without its stats-merge job: the task sums the per-task stats itself (read_stats),
+    and a merge job would cost each pipeline a scheduling round and write into the step after it is committed."""
+
+    def launch_merge_stats(self):
+        pass
 
 
 def slurm_job_name(job_name: str, logging_dir: Path) -> str:
@@ -161,10 +167,10 @@ def _scancel(name: str, wait_s: float = 120) -> None:
 
 
 def _wait_for_slurm(executor, cfg: ExecutorCfg, logging_dir: Path, tasks: int, job_name: str) -> None:
-    """Until every task is complete and the jobs (with datatrove's stats merge) have left the queue.
+    """Until every task is complete and the jobs have left the queue.
 
-    A job whose dependency can never be met (the stats merge after a failed array) counts as gone;
-    jobs gone with tasks incomplete fail the task with the first incomplete rank's log tail.
+    A job whose dependency can never be met counts as gone; jobs gone with tasks incomplete fail the
+    task with the first incomplete rank's log tail. Polls back off from 1 s to 10 s.
     """
     deadline, delay = time.time() + cfg.timeout_hours * 3600, 1.0
     while True:
@@ -187,7 +193,7 @@ def _wait_for_slurm(executor, cfg: ExecutorCfg, logging_dir: Path, tasks: int, j
             )
         log.info("%s: waiting for %d of %d tasks (jobs %s)", job_name, len(left), tasks, ", ".join(f"{i} {s}" for i, s, _ in jobs))
         time.sleep(delay)
-        delay = min(delay * 2, 30)
+        delay = min(delay * 2, 10)
 
 
 def _rank_log_tail(logging_dir: Path, rank: int, lines: int = 20) -> str:
