@@ -63,7 +63,7 @@ def bare_loop(recipe, batches: MixtureBatches, vocab: int, steps: int, warmup: i
     return steps * batches.batch_size * p.seq_len / (time.perf_counter() - start)
 
 
-def trainer(recipe, root: Path, samples: dict[str, int], steps: int, log_every: int, peak: float, launcher: LauncherCfg):
+def trainer(recipe, root: Path, samples: dict[str, int], steps: int, log_every: int, peak: float, launcher: LauncherCfg, run: int = 0):
     """Tokens/s the real trainer logs (its first window, with start-up, left out), its summary, and the job's wall time."""
     phase1 = train_configs(recipe)[0]
     opt = recipe.pretrain.optimizer
@@ -79,7 +79,7 @@ def trainer(recipe, root: Path, samples: dict[str, int], steps: int, log_every: 
             "peak_flops": peak,
         }
     )
-    out = root / f"out-{launcher.kind}"
+    out = root / f"out-{launcher.kind}-{run}"
     job = TrainJob(
         config=config,
         sources={n: str(root / n) for n in samples},
@@ -103,16 +103,27 @@ def trainer(recipe, root: Path, samples: dict[str, int], steps: int, log_every: 
     return float(np.mean([r["tokens_per_s"] for r in rows[1:]])), summary, wall
 
 
-def compare_slurm(recipe, root: Path, samples: dict[str, int], steps: int, log_every: int, peak: float) -> None:
-    torchrun = LauncherCfg(kind="torchrun", nproc=2, threads_per_rank=1)
-    slurm = LauncherCfg(kind="slurm", nproc=2, threads_per_rank=1, slurm={"time": "30"})
-    t_tps, _, t_wall = trainer(recipe, root, samples, steps, log_every, peak, torchrun)
-    s_tps, _, s_wall = trainer(recipe, root, samples, steps, log_every, peak, slurm)
-    print(f"2 ranks x 1 thread, {steps} steps of the tiny recipe's phase 1")
-    print(f"{'':18}{'job wall s':>11}{'tokens/s':>10}")
-    print(f"{'torchrun':18}{t_wall:11.1f}{t_tps:10,.0f}")
-    print(f"{'Slurm job':18}{s_wall:11.1f}{s_tps:10,.0f}")
-    print(f"per job: Slurm adds {s_wall - t_wall:+.1f} s (submit, schedule, poll); per step: tokens/s ratio {s_tps / t_tps:.3f}x")
+def compare_slurm(recipe, root: Path, samples: dict[str, int], steps: int, log_every: int, peak: float, rounds: int = 2) -> None:
+    """torchrun and Slurm alternately, `rounds` times each (the first run of a process pays for cold caches)."""
+    sides = {
+        "torchrun": LauncherCfg(kind="torchrun", nproc=2, threads_per_rank=1),
+        "Slurm job": LauncherCfg(kind="slurm", nproc=2, threads_per_rank=1, slurm={"time": "30"}),
+    }
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
+    for i in range(rounds):
+        for name, launcher in sides.items():
+            tps, _, wall = trainer(recipe, root, samples, steps, log_every, peak, launcher, run=i)
+            runs[name].append((wall, tps))
+    print(f"2 ranks x 1 thread, {steps} steps of the tiny recipe's phase 1; {rounds} runs each, alternating")
+    print(f"{'':12}{'job wall s (each run)':>28}{'tokens/s (each run)':>26}")
+    for name, rows in runs.items():
+        print(f"{name:12}{' '.join(f'{w:8.1f}' for w, _ in rows):>28}{' '.join(f'{t:9,.0f}' for _, t in rows):>26}")
+    wall = {name: float(np.mean([w for w, _ in rows])) for name, rows in runs.items()}
+    tps = {name: float(np.mean([t for _, t in rows])) for name, rows in runs.items()}
+    print(
+        f"per job: a Slurm job takes {wall['Slurm job'] - wall['torchrun']:+.1f} s against torchrun (mean); "
+        f"per step: tokens/s ratio Slurm / torchrun {tps['Slurm job'] / tps['torchrun']:.3f}x"
+    )
 
 
 def main() -> None:
