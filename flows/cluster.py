@@ -55,6 +55,11 @@ PartitionName=cpu Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscri
 """
 
 
+def state_root() -> Path:
+    """The project's state dir, as flows/server.py has it: $SMOLFLOW_STATE or ./.smolflow."""
+    return Path(os.environ.get("SMOLFLOW_STATE", Path.cwd() / ".smolflow")).resolve()
+
+
 def missing_commands() -> list[str]:
     return [cmd for cmd in PACKAGES if shutil.which(cmd) is None and not Path("/usr/sbin", cmd).exists()]
 
@@ -70,8 +75,7 @@ class Slurm:
 
     @classmethod
     def here(cls) -> Slurm:
-        root = Path(os.environ.get("SMOLFLOW_STATE", Path.cwd() / ".smolflow")).resolve()
-        return cls(state=root / "slurm", port=int(os.environ.get("SMOLFLOW_SLURM_PORT", "6817")))
+        return cls(state=state_root() / "slurm", port=int(os.environ.get("SMOLFLOW_SLURM_PORT", "6817")))
 
     @property
     def conf(self) -> Path:
@@ -185,8 +189,7 @@ class Ray:
 
     @classmethod
     def here(cls) -> Ray:
-        root = Path(os.environ.get("SMOLFLOW_STATE", Path.cwd() / ".smolflow")).resolve()
-        return cls(state=root / "ray", port=int(os.environ.get("SMOLFLOW_RAY_PORT", "6379")))
+        return cls(state=state_root() / "ray", port=int(os.environ.get("SMOLFLOW_RAY_PORT", "6379")))
 
     @property
     def address(self) -> str:
