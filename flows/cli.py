@@ -25,7 +25,11 @@ RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML, e.g. configs/tiny.
 RunDirOpt = Annotated[str | None, typer.Option("--run-dir", help="Folder for every step's outputs (default: runs/<recipe name>).")]
 SetOpt = Annotated[
     list[str] | None,
-    typer.Option("--set", help="Override a recipe key, e.g. --set curate.strict=true (repeatable; value is YAML)."),
+    typer.Option(
+        "--set",
+        help="Override a recipe key, e.g. --set curate.strict=true (repeatable; value is YAML), "
+        "or apply an overlay file of such keys: --set @configs/overlays/slurm.yaml.",
+    ),
 ]
 
 
@@ -64,9 +68,10 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
 
 @app.command("plan")
 def plan_cmd(recipe: RecipeArg, set_: SetOpt = None) -> None:
-    """Per pretraining phase: tokens, steps, global batch, FLOPs, memory per GPU (ZeRO 0-3), GPUs needed."""
+    """Per pretraining phase: tokens, steps, global batch, FLOPs, memory per GPU (ZeRO 0-3), GPUs needed;
+    per post-training trainer: ranks, ZeRO stage, batch, memory per GPU."""
     from infra.recipe import load_recipe
-    from model.plan import GiB, plan
+    from model.plan import plan, trainer_plans
 
     try:
         r = load_recipe(recipe, set_ or [])
@@ -88,12 +93,7 @@ def plan_cmd(recipe: RecipeArg, set_: SetOpt = None) -> None:
         )
         typer.echo(f"  compute: 6ND = {s.flops_6nd:.3e} FLOPs ({s.flops:.3e} with attention)")
         for z, mem in s.memory.items():
-            mark = " <- recipe" if z == p.zero_stage else ""
-            typer.echo(
-                f"  memory/GPU ZeRO-{z}: {mem['total'] / GiB:7.1f} GiB (weights {mem['weights'] / GiB:.1f}, "
-                f"grads {mem['grads'] / GiB:.1f}, optimizer {mem['optimizer'] / GiB:.1f}, "
-                f"activations {mem['activations'] / GiB:.1f}){mark}"
-            )
+            typer.echo(f"  memory/GPU ZeRO-{z}: {_memory(mem)}" + (" <- recipe" if z == p.zero_stage else ""))
         for problem in s.problems:
             typer.secho(f"  ! {problem}", fg=typer.colors.YELLOW)
     if result.gpus_needed is not None:
@@ -102,6 +102,21 @@ def plan_cmd(recipe: RecipeArg, set_: SetOpt = None) -> None:
             f"\nGPUs needed for {hw.target_days:g} days at {hw.assumed_mfu:.0%} MFU of {hw.peak_tflops:g} TFLOP/s: "
             f"{result.gpus_needed:.0f} (recipe layout: {result.gpus})"
         )
+    typer.echo(f"\npost-training (postrain.launcher), memory per {p.hardware.name}:")
+    for t in trainer_plans(r.model, r.postrain, vocab, p.hardware.memory_gb):
+        typer.echo(
+            f"  {t.name}: {t.ranks} rank(s), ZeRO-{t.zero_stage}, {t.per_rank} x {t.seq_len} tokens per rank per micro-step, "
+            f"{t.global_batch} sequences per update; memory/GPU {_memory(t.memory)}"
+        )
+        for problem in t.problems:
+            typer.secho(f"    ! {problem}", fg=typer.colors.YELLOW)
+
+
+def _memory(mem: dict[str, float]) -> str:
+    from model.plan import GiB
+
+    parts = ", ".join(f"{k} {mem[k] / GiB:.1f}" for k in ("weights", "grads", "optimizer", "activations"))
+    return f"{mem['total'] / GiB:7.1f} GiB ({parts})"
 
 
 def _explain(recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str], always: bool) -> None:

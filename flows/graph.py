@@ -88,15 +88,16 @@ def build_graph(recipe: Recipe) -> Graph:
             )
         )
 
+    shared = {"launcher": post.launcher, "heldout_eval": post.heldout_eval}  # what the training steps share
     config = postrain.ChatDataStepCfg(data=post.data, eval_sets=c.decontaminate.eval_sets, seed=recipe.seed)
     chats = add(Step("chat_data", "sft", postrain.chat_data, config, watch=postrain.eval_sets))
-    config = postrain.SFTStepCfg(sft=post.sft, heldout_eval=post.heldout_eval, seed=_seed(post.sft.seed, recipe))
+    config = postrain.SFTStepCfg(sft=post.sft, **shared, seed=_seed(post.sft.seed, recipe))
     sft = add(Step("sft", "sft", postrain.sft, config, {"chats": chats, "base": phases[-1]}, model="sft"))
     config = postrain.PreferenceStepCfg(preference=post.preference)
     pairs = add(Step("preference", "preference", postrain.preference, config, {"chats": chats, "policy": sft}))
-    config = postrain.APOStepCfg(apo=post.apo, heldout_eval=post.heldout_eval, seed=_seed(post.apo.seed, recipe))
+    config = postrain.APOStepCfg(apo=post.apo, **shared, seed=_seed(post.apo.seed, recipe))
     apo = add(Step("apo", "apo", postrain.apo, config, {"chats": chats, "pairs": pairs, "policy": sft}, model="apo"))
-    config = postrain.GRPOStepCfg(grpo=post.grpo, heldout_eval=post.heldout_eval, seed=_seed(post.grpo.seed, recipe))
+    config = postrain.GRPOStepCfg(grpo=post.grpo, **shared, seed=_seed(post.grpo.seed, recipe))
     grpo = add(Step("grpo", "grpo", postrain.grpo, config, {"chats": chats, "policy": apo}, model="grpo"))
 
     curation = {"ingested": ingest, "filtered": filtered, "deduped": deduped, "decontaminated": decont, "tokenized": tokens, "mixed": mixed}

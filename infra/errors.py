@@ -17,3 +17,9 @@ class UpstreamMissing(SmolflowError):
 
 class StepLocked(SmolflowError):
     """Another live process is building the same step (a double launch): this one stands down."""
+
+
+class TrainerFailed(SmolflowError):
+    """A launched trainer exited non-zero or unfinished: a retry resumes it from its newest checkpoint."""
+
+    retryable = True

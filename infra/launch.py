@@ -10,15 +10,17 @@ next holder kills a tree that still lives.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from infra.locks import record_child
 from infra.procs import kill_tree, owner_env, tethered
-from infra.recipe import LauncherCfg
+from infra.recipe import AccelerateCfg, LauncherCfg
 
 
 def free_port() -> int:
@@ -55,11 +57,34 @@ def launch_command(cfg: LauncherCfg, module: str, args: list[str], port: int) ->
     return [*command, "--num_gpus", str(cfg.nproc), "--master_port", str(port), "--module", module, *args]
 
 
-def launch_env(cfg: LauncherCfg, extra: dict[str, str] | None = None) -> dict[str, str]:
+def accelerate_command(cfg: AccelerateCfg, module: str, args: list[str], config: Path, port: int, bf16: bool) -> list[str]:
+    """`accelerate launch` of `python -m module args` on `cfg.nproc` ranks, DeepSpeed ZeRO when `cfg.zero_stage` > 0.
+
+    Every setting goes into CONFIG (written here, kept beside the step's output), so a user's default
+    accelerate config is never read and the launch can be repeated by hand.
+    """
+    kind = "DEEPSPEED" if cfg.zero_stage else "MULTI_GPU" if cfg.nproc > 1 else "NO"  # MULTI_GPU on CPU: DDP over gloo
+    settings = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": kind,
+        "num_processes": cfg.nproc,
+        "num_machines": 1,
+        "machine_rank": 0,
+        "main_process_ip": "127.0.0.1",
+        "main_process_port": port,
+        "mixed_precision": "bf16" if bf16 else "no",
+    }
+    if cfg.zero_stage:  # ZeRO-3 gathers the full weights when saving, so checkpoints and `final` are HF models
+        settings["deepspeed_config"] = {"zero_stage": cfg.zero_stage, "zero3_save_16bit_model": True}
+    config.write_text(json.dumps(settings, indent=2))
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--module", module, *args]
+
+
+def launch_env(cfg: LauncherCfg | AccelerateCfg, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_rank), "PYTHONUNBUFFERED": "1", **owner_env(), **(extra or {})}
-    if not cfg.hostfile:  # one node: collectives listen on loopback only
+    if not getattr(cfg, "hostfile", None):  # one node: collectives listen on loopback only
         env["GLOO_SOCKET_IFNAME"] = "lo"
-    if cfg.kind == "python":  # a lone process still needs a rendezvous, or DeepSpeed tries MPI discovery
+    if isinstance(cfg, LauncherCfg) and cfg.kind == "python":  # a lone process still needs a rendezvous, or DeepSpeed tries MPI discovery
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     return env
 

@@ -6,6 +6,7 @@ the file name instead of being silently ignored halfway through a run.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -456,7 +457,7 @@ class TrainerCfg(Strict):
 
     learning_rate: float = Field(gt=0)
     max_steps: int = Field(gt=0)
-    batch_size: int = Field(16, gt=0)
+    batch_size: int = Field(16, gt=0, description="sequences per micro-step, all ranks together (x grad_accum per update)")
     grad_accum: int = Field(1, gt=0)
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     save_steps: int = operational(100, gt=0)
@@ -520,15 +521,38 @@ class GRPOCfg(TrainerCfg):
         return self
 
 
+class AccelerateCfg(Strict):
+    """How the TRL trainers start: `accelerate launch` on `nproc` ranks of one node (gloo on CPU).
+
+    `nproc` is operational: a trainer's `batch_size` is summed over the ranks (each takes
+    batch_size / nproc), so another rank count trains the same global batch.
+    """
+
+    nproc: int = operational(1, gt=0, description="ranks (one per GPU)")
+    threads_per_rank: int = operational(2, gt=0)
+    zero_stage: int = Field(
+        0, ge=0, le=3, description="DeepSpeed ZeRO stage (0: plain DDP); a change is no resume: the checkpoint formats differ"
+    )
+
+
 class PostrainCfg(Strict):
     """SFT -> preference pairs (strong vs weak) -> APO -> GRPO, each with TRL (postrain/)."""
 
     data: ChatDataCfg = ChatDataCfg()
     heldout_eval: GenerationCfg = GenerationCfg()
+    launcher: AccelerateCfg = AccelerateCfg()
     sft: SFTCfg
     preference: PreferenceCfg = PreferenceCfg()
     apo: APOCfg
     grpo: GRPOCfg
+
+    @model_validator(mode="after")
+    def _split_over_ranks(self) -> PostrainCfg:
+        n = self.launcher.nproc
+        for name in ("sft", "apo", "grpo"):
+            if getattr(self, name).batch_size % n:
+                raise ValueError(f"{name}.batch_size {getattr(self, name).batch_size} is not a multiple of launcher.nproc {n}")
+        return self
 
 
 class EvalCfg(Strict):
@@ -690,10 +714,22 @@ def read_yaml(path: Path, what: str = "recipe") -> Any:
         raise RecipeError(f"{path}: not valid YAML: {err}") from None
 
 
+def overlay(assignment: str) -> list[str]:
+    """An override as `key=value` assignments: `@FILE` names an overlay, a YAML mapping of dotted keys to
+    values (configs/overlays/), so a deployment run or `--set` switches several keys by one name."""
+    if not assignment.startswith("@"):
+        return [assignment]
+    path = Path(assignment[1:])
+    data = read_yaml(path, "overlay")
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise RecipeError(f"{path}: an overlay is a mapping of dotted recipe keys to values")
+    return [f"{key}={json.dumps(value)}" for key, value in data.items()]
+
+
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     path = Path(path)
     data = read_yaml(path)
-    for assignment in overrides:
+    for assignment in [a for o in overrides for a in overlay(o)]:
         apply_override(data, assignment)
     return parse_recipe(data, str(path))
 

@@ -1,4 +1,5 @@
-"""The planner: tokens, steps, FLOPs, memory per GPU and GPUs needed for each pretraining phase.
+"""The planner: tokens, steps, FLOPs, memory per GPU and GPUs needed for each pretraining phase, and
+the ranks, batch and memory per GPU of each post-training trainer.
 
 Compute follows the playbook's convention (6·N·D for training, attention added separately);
 memory per GPU counts bf16 weights and gradients, fp32 master weights and Adam moments (16 bytes
@@ -10,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from infra.recipe import ModelCfg, PretrainCfg
+from infra.recipe import ModelCfg, PostrainCfg, PretrainCfg
 from model.network import count_params, flops_per_token, model_config
 
 GiB = 2**30
@@ -111,3 +112,37 @@ def plan(m: ModelCfg, p: PretrainCfg, vocab_size: int) -> Plan:
     if hw.peak_tflops and hw.target_days:
         needed = gpus_needed(6 * params * total_tokens, hw.peak_tflops * 1e12, hw.assumed_mfu, hw.target_days * 86400)
     return Plan(params, gpus, total_tokens, needed, plans)
+
+
+@dataclass
+class TrainerPlan:
+    name: str
+    ranks: int
+    zero_stage: int
+    per_rank: int  # sequences per micro-step on each rank
+    global_batch: int  # sequences per optimizer update
+    seq_len: int  # the longest sequence a micro-step holds
+    memory: dict[str, float]
+    problems: list[str] = field(default_factory=list)
+
+
+def trainer_plans(m: ModelCfg, post: PostrainCfg, vocab_size: int, memory_gb: float) -> list[TrainerPlan]:
+    """SFT, APO and GRPO on `post.launcher`: the same 16 bytes per parameter as pretraining, sharded by
+    the launcher's ZeRO stage over its ranks, plus activations of the longest micro-step (APO holds a
+    chosen and a rejected answer per pair; GRPO a prompt and its completion). Rollout engines (vLLM) not counted."""
+    launcher, config = post.launcher, model_config(m, vocab_size, post.sft.max_length)
+    params, n, z = count_params(config), launcher.nproc, launcher.zero_stage
+    plans = []
+    for name, cfg, seqs, seq in [
+        ("sft", post.sft, 1, post.sft.max_length),
+        ("apo", post.apo, 2, post.apo.max_length),
+        ("grpo", post.grpo, 1, post.grpo.max_length + post.grpo.max_completion_length),
+    ]:
+        per_rank = cfg.batch_size // n
+        act = activation_bytes(seq, per_rank * seqs, m.hidden_size, m.num_hidden_layers, 1, 1)
+        memory = memory_per_gpu(params, z, n, 1, 1, act)
+        problems = []
+        if memory["total"] > memory_gb * GiB:
+            problems.append(f"needs {memory['total'] / GiB:.1f} GiB per GPU with ZeRO-{z} on {n} ranks, over {memory_gb:g} GiB")
+        plans.append(TrainerPlan(name, n, z, per_rank, cfg.batch_size * cfg.grad_accum, seq, memory, problems))
+    return plans

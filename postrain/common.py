@@ -1,26 +1,40 @@
-"""What the TRL stages share: trainer arguments, resuming, saving, and held-out evaluation."""
+"""What the TRL stages share: trainer arguments, resuming, saving, and held-out evaluation.
+
+The trainers run on every rank that `accelerate launch` started (postrain/run.py), or in the calling
+process when nothing launched them: a rank takes `batch_size / WORLD_SIZE` sequences per micro-step,
+and only rank 0 writes what is not a collective save.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
+from infra.errors import SmolflowError
 from infra.recipe import TrainerCfg
 from postrain.data import extract_answer, is_correct
 from postrain.generation import Backend, stop_token_ids
 
 
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def trl_args(config_cls, cfg: TrainerCfg, out: Path, seed: int, **extra: Any):
-    """TRL config for `cfg`; on CPU bf16 and activation checkpointing are switched off (TRL defaults them on)."""
-    cuda = torch.cuda.is_available()
+    """TRL config for `cfg` on this launch's ranks; on CPU bf16 and activation checkpointing are off (TRL defaults them on)."""
+    cuda, ranks = torch.cuda.is_available(), world_size()
+    if cfg.batch_size % ranks:
+        raise ValueError(f"batch_size {cfg.batch_size} does not split over {ranks} ranks")
     return config_cls(
         output_dir=str(out / "checkpoints"),
         max_steps=cfg.max_steps,
-        per_device_train_batch_size=cfg.batch_size,
+        per_device_train_batch_size=cfg.batch_size // ranks,
         gradient_accumulation_steps=cfg.grad_accum,
         learning_rate=cfg.learning_rate,
         lr_scheduler_type="cosine",
@@ -41,24 +55,52 @@ def trl_args(config_cls, cfg: TrainerCfg, out: Path, seed: int, **extra: Any):
 
 
 def last_complete_checkpoint(folder: Path) -> str | None:
-    """Newest `checkpoint-N` whose trainer state was written (it is written last) and parses."""
+    """Newest `checkpoint-N` whose trainer state (written last) parses and whose optimizer state is there
+    (`optimizer.pt`, or DeepSpeed's `global_stepN` under ZeRO)."""
     candidates = sorted(Path(folder).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]), reverse=True)
     for path in candidates:
         try:
             json.loads((path / "trainer_state.json").read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             continue
-        if any(path.glob("model*.safetensors")) and (path / "optimizer.pt").exists():
+        if any(path.glob("model*.safetensors")) and ((path / "optimizer.pt").exists() or (path / "latest").exists()):
             return str(path)
     return None
 
 
-def save_final(model, tokenizer, path: Path) -> None:
-    """An HF checkpoint whose generation stops at the end of the assistant turn."""
-    model.generation_config = GenerationConfig(eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id)
+def check_resumable(checkpoint: str) -> None:
+    """ZeRO shards the optimizer state by rank: such a checkpoint loads on the rank count that wrote it only."""
+    shards = len(list(Path(checkpoint).glob("global_step*/*optim_states.pt")))
+    if shards and shards != world_size():
+        raise SmolflowError(
+            f"{checkpoint} holds ZeRO optimizer shards of {shards} ranks; this launch has {world_size()}: "
+            f"resume with postrain.launcher.nproc: {shards}"
+        )
+
+
+def save_final(trainer, path: Path, checkpoint: str | None = None) -> None:
+    """An HF model at PATH whose generation stops at the end of the assistant turn, written whole and then renamed.
+
+    Every rank calls it (under ZeRO-3 saving gathers the weights); CHECKPOINT: copy that checkpoint's model instead.
+    """
+    tmp, main = path.with_name(path.name + ".tmp"), trainer.is_world_process_zero()
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    model, tokenizer = trainer.model, trainer.processing_class
     model.config.use_cache = True
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    model.generation_config = GenerationConfig(eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    if checkpoint is None:
+        trainer.save_model(str(tmp))
+    elif main:
+        tmp.mkdir(parents=True)
+        for file in Path(checkpoint).glob("model*.safetensors*"):
+            shutil.copy2(file, tmp / file.name)
+        model.config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    if main:
+        model.generation_config.save_pretrained(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
 
 
 def heldout_accuracy(backend: Backend, tokenizer, items: list[dict[str, Any]], max_new_tokens: int) -> dict[str, Any]:
@@ -87,12 +129,15 @@ def train_and_save(trainer, out: Path, curves: dict[str, str]) -> dict[str, Any]
     """Train from the newest complete checkpoint in `out` (if any), save `out/final`, return the logged curves."""
     resume = last_complete_checkpoint(out / "checkpoints")
     state = json.loads((Path(resume) / "trainer_state.json").read_text()) if resume else {}
+    if resume:
+        check_resumable(resume)
     if state.get("global_step", 0) >= trainer.args.max_steps:
         # killed after its last checkpoint: resuming would train one step past max_steps (at a zero learning
         # rate, but with its own rollouts and log line), so the checkpoint's weights are the final model
-        model, history = type(trainer.model).from_pretrained(resume), state["log_history"]
+        save_final(trainer, out / "final", checkpoint=resume)
+        history = state["log_history"]
     else:
         trainer.train(resume_from_checkpoint=resume)
-        model, history = trainer.model, trainer.state.log_history
-    save_final(model, trainer.processing_class, out / "final")
+        save_final(trainer, out / "final")
+        history = trainer.state.log_history
     return {"resumed_from": resume, **{name: loss_history(history, key) for name, key in curves.items()}}

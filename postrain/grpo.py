@@ -57,6 +57,8 @@ def reward_functions(cfg: GRPOCfg) -> tuple[list[Callable], list[float]]:
 
 
 def run_grpo(model_path: str, items: list[dict[str, Any]], cfg: GRPOCfg, out: Path, seed: int) -> dict[str, Any]:
+    """Train on the first `cfg.prompts` ITEMS with a reference answer (none: nothing to verify)."""
+    items = [i for i in items if i["answer"]][: cfg.prompts]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     funcs, weights = reward_functions(cfg)

@@ -19,14 +19,16 @@ from postrain.common import save_final, train_and_save, trl_args
 
 
 class KeepEarlyCopy(TrainerCallback):
-    """Saves the model once, at `step`, as a weak model for preference pairs."""
+    """Saves the model once, at `step`, as a weak model for preference pairs (on every rank: a collective save)."""
 
-    def __init__(self, step: int, path: Path, tokenizer):
-        self.step, self.path, self.tokenizer = step, path, tokenizer
+    def __init__(self, step: int, path: Path, trainer: SFTTrainer):
+        # decided once, before training, so that all ranks agree
+        self.step, self.path, self.trainer, self.done = step, path, trainer, path.exists()
 
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step == self.step and not (self.path / "config.json").exists():
-            save_final(model, self.tokenizer, self.path)
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and not self.done:
+            save_final(self.trainer, self.path)
+            self.done = True
 
 
 def build_trainer(model_path: str, train: list[dict[str, Any]], cfg: SFTCfg, out: Path, seed: int) -> SFTTrainer:
@@ -36,8 +38,9 @@ def build_trainer(model_path: str, train: list[dict[str, Any]], cfg: SFTCfg, out
         SFTConfig, cfg, out, seed, assistant_only_loss=True, packing=cfg.packing, padding_free=cfg.packing, max_length=cfg.max_length
     )
     dataset = Dataset.from_list([{"messages": row["messages"]} for row in train])
-    callbacks = [KeepEarlyCopy(cfg.weak_checkpoint_step, out / "weak", tokenizer)]
-    return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=callbacks)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    trainer.add_callback(KeepEarlyCopy(cfg.weak_checkpoint_step, out / "weak", trainer))
+    return trainer
 
 
 def run_sft(model_path: str, train: list[dict[str, Any]], cfg: SFTCfg, out: Path, seed: int) -> dict[str, Any]:

@@ -14,18 +14,19 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra.recipe import APOCfg, ChatDataCfg, GenerationCfg, GRPOCfg, PreferenceCfg, SFTCfg, Strict
+from infra.errors import TrainerFailed
+from infra.launch import accelerate_command, free_port, launch_env, run_streaming
+from infra.recipe import AccelerateCfg, APOCfg, ChatDataCfg, GenerationCfg, GRPOCfg, PreferenceCfg, SFTCfg, Strict, TrainerCfg
 from infra.steps import StepOutput
 from infra.storage import write_json_atomic
 from postrain import data as chat
-from postrain.apo import run_apo
 from postrain.common import heldout_accuracy
 from postrain.generation import make_backend
-from postrain.grpo import run_grpo
 from postrain.preference import answers, build_pairs
-from postrain.sft import run_sft
+from postrain.run import RESULT, PostJob
 from tasks.common import run_logger, stage_task
 from tasks.curate import eval_set_fingerprint
 from tasks.curation.corpus import read_eval_questions
@@ -69,10 +70,26 @@ def chat_data(cfg: ChatDataStepCfg, inputs: Inputs, out: Path) -> dict:
 
 
 class TrainedStepCfg(Strict):
-    """What the training steps share: how they score their model on the held-out prompts, and the seed."""
+    """What the training steps share: their launcher, how they score their model on the held-out prompts, the seed."""
 
+    launcher: AccelerateCfg
     heldout_eval: GenerationCfg
     seed: int
+
+
+def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, data: Path, out: Path) -> dict:
+    """Run the STAGE trainer (postrain/run.py) on the launcher's ranks; its result once `out/final` is saved."""
+    log, result = run_logger(), out / RESULT
+    result.unlink(missing_ok=True)  # a previous attempt's: only this launch's may count
+    job = PostJob(stage=stage, model=str(model), data=str(data), config=trainer.model_dump(), out=str(out), seed=cfg.seed)
+    (out / "job.json").write_text(job.model_dump_json(indent=2))
+    bf16 = torch.cuda.is_available()  # as trl_args decides on the ranks
+    command = accelerate_command(cfg.launcher, "postrain.run", [str(out / "job.json")], out / "accelerate.json", free_port(), bf16)
+    log.info("%s on %d rank(s), ZeRO-%d: %s", stage, cfg.launcher.nproc, cfg.launcher.zero_stage, " ".join(command))
+    code = run_streaming(command, launch_env(cfg.launcher, {"TQDM_MININTERVAL": "15"}), log.info)  # progress every 15 s
+    if code != 0 or not result.is_file():
+        raise TrainerFailed(f"{stage}: the trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint")
+    return json.loads(result.read_text())
 
 
 def scored(cfg: TrainedStepCfg, result: dict, out: Path, chats: StepOutput) -> dict:
@@ -90,7 +107,7 @@ def sft(cfg: SFTStepCfg, inputs: Inputs, out: Path) -> dict:
     chats, base = inputs["chats"], inputs["base"].path / "final"
     before = score(cfg.heldout_eval, base, chats)
     run_logger().info("%s: the base model's held-out accuracy %.1f%%", out.name, 100 * before["accuracy"])
-    result = run_sft(str(base), chat.read_jsonl(chats.path / "train.jsonl"), cfg.sft, out, cfg.seed)
+    result = train(cfg, "sft", cfg.sft, base, chats.path / "train.jsonl", out)
     return scored(cfg, {**result, "eval_before": before}, out, chats)
 
 
@@ -119,8 +136,8 @@ class APOStepCfg(TrainedStepCfg):
 
 
 def apo(cfg: APOStepCfg, inputs: Inputs, out: Path) -> dict:
-    pairs = chat.read_jsonl(inputs["pairs"].path / "pairs.jsonl")
-    return scored(cfg, run_apo(str(inputs["policy"].path / "final"), pairs, cfg.apo, out, cfg.seed), out, inputs["chats"])
+    result = train(cfg, "apo", cfg.apo, inputs["policy"].path / "final", inputs["pairs"].path / "pairs.jsonl", out)
+    return scored(cfg, result, out, inputs["chats"])
 
 
 class GRPOStepCfg(TrainedStepCfg):
@@ -128,8 +145,8 @@ class GRPOStepCfg(TrainedStepCfg):
 
 
 def grpo(cfg: GRPOStepCfg, inputs: Inputs, out: Path) -> dict:
-    items = [i for i in chat.read_jsonl(inputs["chats"].path / "train.jsonl") if i["answer"]][: cfg.grpo.prompts]
-    return scored(cfg, run_grpo(str(inputs["policy"].path / "final"), items, cfg.grpo, out, cfg.seed), out, inputs["chats"])
+    result = train(cfg, "grpo", cfg.grpo, inputs["policy"].path / "final", inputs["chats"].path / "train.jsonl", out)
+    return scored(cfg, result, out, inputs["chats"])
 
 
 @stage_task("postrain-report", retries=1)

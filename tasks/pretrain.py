@@ -15,7 +15,7 @@ from pathlib import Path
 from prefect.artifacts import create_table_artifact
 
 from infra import slurm
-from infra.errors import SmolflowError
+from infra.errors import SmolflowError, TrainerFailed
 from infra.launch import free_port, launch_command, launch_env, run_streaming
 from infra.procs import OWNER_ENV, PREEMPTED
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
@@ -26,12 +26,6 @@ from tasks.curation.mixtures import MixturePhase, windows
 
 # Checkpoints kept beyond keep_last while the eval follower catches up (tasks/evaluate.py).
 HOLD_FOR_EVAL = 4
-
-
-class TrainerFailed(SmolflowError):
-    """The trainer process exited non-zero: a retry resumes it from its newest checkpoint."""
-
-    retryable = True
 
 
 def mixture_phases(p: PretrainCfg) -> list[MixturePhase]:

@@ -157,6 +157,52 @@ def test_a_cancelled_flow_run_cancels_its_slurm_jobs(slurm, prefect_server, tmp_
     assert slurm.jobs() == [], "the cancelled flow run left its Slurm jobs running"
 
 
+CANCELLED_RAY_FLOW = """
+import os
+import sys
+import time
+from pathlib import Path
+
+from prefect import flow
+
+from tasks.curation import pipelines
+from tests.test_cluster import cluster_executor
+
+
+PIDS = Path(sys.argv[1]).parent  # a global of __main__: pickled with the function, as Ray workers have their own argv
+
+
+def record_pid_and_sleep(docs, rank: int = 0, world_size: int = 1):
+    (PIDS / f"pid.{rank}").write_text(str(os.getpid()))
+    time.sleep(120)
+    yield from docs or []
+
+
+@flow
+def curate_on_ray():
+    pipelines.run_pipeline(cluster_executor("ray"), [record_pid_and_sleep], Path(sys.argv[1]), 2, "cancelled")
+
+
+curate_on_ray()
+"""
+
+
+def test_a_cancelled_flow_run_stops_its_ray_tasks(ray_head, prefect_server, tmp_path):
+    import psutil
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    proc = subprocess.Popen([sys.executable, "-c", CANCELLED_RAY_FLOW, str(tmp_path / "logs")], env=env, cwd=REPO)
+    deadline = time.time() + 180
+    while len(pids := [int(p.read_text()) for p in tmp_path.glob("pid.*") if p.read_text()]) < 2:
+        assert time.time() < deadline and proc.poll() is None, "the flow never got its Ray tasks running"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=150)
+    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=60)
+    assert not alive, "the cancelled flow run left its Ray tasks running"
+
+
 # --- pretraining as a Slurm job ---------------------------------------------------------------------
 
 
@@ -223,3 +269,36 @@ def test_a_job_warned_of_its_time_limit_checkpoints_requeues_itself_and_resumes(
     lines = follow_and_interrupt(slurm, data, tmp_path / "phase", ["scancel", "--signal=USR1"])
     assert any("received SIGUSR1" in line for line in lines) and any("requeueing job" in line for line in lines)
     same_losses(losses(tmp_path / "phase"), torchrun_reference)
+
+
+# --- the deployed pipeline on both engines --------------------------------------------------------
+
+
+def test_the_pipeline_deployment_curates_on_ray_and_pretrains_as_slurm_jobs(slurm, ray_head, tmp_path):
+    """`prefect deployment run 'full-pipeline/tiny'` with the shipped Ray overlay, on the process work pool:
+    the worker (started after the clusters, as `make serve` after `smolflow cluster ... start`) reaches both."""
+    import json
+
+    from flows.server import Server
+    from tests.test_deployments import prefect, run_deployment, state_history, wait_final
+
+    server = Server(root=REPO, state=tmp_path / "state", port=free_port())
+    server.start(timeout_s=240)
+    try:
+        deploy = prefect(server, "--no-prompt", "deploy", "--all")
+        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+        recipe = tmp_path / "micro.yaml"
+        recipe.write_text((REPO / "configs" / "micro.yaml").read_text())
+        run_dir = tmp_path / "run"
+        params = {"recipe": str(recipe), "run_dir": str(run_dir), "overrides": ["@configs/overlays/ray.yaml"], "until": "pretrain"}
+        run_id = run_deployment(server, "full-pipeline/tiny", params)
+        run = wait_final(server, run_id, timeout_s=1500)
+        assert run["state_type"] == "COMPLETED", state_history(server, run_id)
+    finally:
+        server.stop()
+    executors = {"ray_remote_kwargs" in json.loads(p.read_text()) for p in run_dir.glob("*/logs/**/executor.json")}
+    assert executors == {True}, "every curation pipeline ran on Ray"
+    phases = sorted(p.parent.name for p in run_dir.glob("pretrain_*/manifest.json"))
+    assert phases and all((run_dir / name / "job.sbatch").exists() and (run_dir / name / "slurm.log").exists() for name in phases)
+    assert all("#SBATCH --requeue" in (run_dir / name / "job.sbatch").read_text() for name in phases)
+    assert slurm.jobs() == []

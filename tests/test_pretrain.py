@@ -378,9 +378,9 @@ def test_a_phase_killed_on_two_ranks_resumes_on_one(tmp_path):
     import psutil
 
     from flows.graph import build_graph
+    from infra.errors import TrainerFailed
     from infra.recipe import parse_recipe
     from infra.steps import PREVIOUS, run_step, statuses
-    from tasks.pretrain import TrainerFailed
     from tests.helpers import micro_recipe
 
     common = {"evaluation.follow": False, "pretrain.zero_stage": 1}

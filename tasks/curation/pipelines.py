@@ -117,7 +117,13 @@ def run_pipeline(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: int
         return read_stats(logging_dir)
     if cfg.kind == "ray":
         connect_ray(cfg.ray_address)
-        executor.run()
+        try:
+            executor.run()
+        except BaseException:  # cancelled, interrupted: the tasks this driver owns die when it leaves the cluster
+            import ray
+
+            ray.shutdown()
+            raise
         if left := executor.get_incomplete_ranks():
             raise ClusterJobFailed(
                 f"{job_name}: its Ray tasks ended with {len(left)} of {tasks} tasks incomplete (ranks {left[:10]}); "

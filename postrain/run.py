@@ -1,0 +1,77 @@
+"""One TRL stage on the ranks `accelerate launch` started: `python -m postrain.run JOB.json`.
+
+tasks/postrain.py writes the job and launches this on `postrain.launcher.nproc` ranks; every rank
+trains, and rank 0 writes `result.json` beside the job once `final` is saved: without it the
+launch did not finish, and a retry resumes from the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from infra.procs import die_with_parent, watch_owner
+from infra.recipe import APOCfg, GRPOCfg, SFTCfg
+from infra.storage import write_json_atomic
+from postrain.data import read_jsonl
+
+RESULT = "result.json"
+
+
+class PostJob(BaseModel):
+    stage: Literal["sft", "apo", "grpo"]
+    model: str  # the HF model to start from
+    data: str  # JSONL: chat examples (sft, grpo) or preference pairs (apo)
+    config: dict[str, Any]  # the stage's trainer config (SFTCfg, APOCfg, GRPOCfg)
+    out: str
+    seed: int
+
+
+def load_cpu_index_locations() -> None:
+    """Let torch.load map storages onto `cpu:N`.
+
+    accelerate gives each CPU rank the device `cpu:0`, and transformers resumes a multi-rank run with
+    `torch.load(optimizer.pt, map_location=args.device)`, which torch 2.13 refuses ("don't know how to
+    restore data location ... cpu:0"): a CPU storage needs no moving, so it is returned as it is.
+    """
+    import torch
+
+    torch.serialization.register_package(
+        5, lambda obj: None, lambda obj, location: obj if location.startswith("cpu:") and obj.device.type == "cpu" else None
+    )
+
+
+def run(job: PostJob) -> dict[str, Any]:
+    from postrain.apo import run_apo
+    from postrain.grpo import run_grpo
+    from postrain.sft import run_sft
+
+    trainer, cfg_cls = {"sft": (run_sft, SFTCfg), "apo": (run_apo, APOCfg), "grpo": (run_grpo, GRPOCfg)}[job.stage]
+    return trainer(job.model, read_jsonl(Path(job.data)), cfg_cls.model_validate(job.config), Path(job.out), job.seed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Train one post-training stage (a job file written by smolflow) on this rank.")
+    parser.add_argument("job", type=Path, help="the step's job.json")
+    args = parser.parse_args()
+    die_with_parent()
+    watch_owner()
+    load_cpu_index_locations()
+    job = PostJob.model_validate_json(args.job.read_text())
+    result = run(job)
+    from accelerate import PartialState
+
+    state = PartialState()
+    if state.is_main_process:
+        write_json_atomic(Path(job.out) / RESULT, result)
+    # every rank leaves the process group together: a rank exiting with gloo's threads still up aborts
+    # ("terminate called without an active exception"), and the launcher reports the whole launch failed
+    state.wait_for_everyone()
+    state.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
