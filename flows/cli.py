@@ -64,6 +64,24 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
     for phase in r.pretrain.phases:
         mix = ", ".join(f"{k} {v:.0%}" for k, v in phase.mixture.items())
         typer.echo(f"  phase {phase.name}: {phase.tokens:,} tokens, seq {r.pretrain.phase_seq_len(phase)}: {mix}")
+    typer.echo(f"  generation: {_generation(r)}")
+
+
+def _generation(r) -> str:
+    """Which engine each generating step uses on this machine, and the vLLM build found."""
+    from infra.env import vllm_build
+    from postrain.generation import resolve_backend
+
+    def pick(kind: str) -> str:
+        try:
+            return resolve_backend(kind)
+        except SmolflowError:
+            return "vllm (not installed: the step will fail)"
+
+    p = r.postrain
+    uses = {"preference pairs": p.preference.backend, "GRPO rollouts": p.grpo.backend, "held-out scoring": p.heldout_eval.backend}
+    used = ", ".join(f"{name} {pick(kind)}" for name, kind in uses.items())
+    return f"{vllm_build() or 'no vLLM installed'}; {used}; lm-eval {r.evaluation.backend}"
 
 
 @app.command("plan")

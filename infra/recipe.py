@@ -510,6 +510,10 @@ class GRPOCfg(TrainerCfg):
     soft_overlong: tuple[int, int] | None = Field(None, description="(max_completion_len, soft_cache_len) for TRL's punishment")
     reward_weights: dict[str, float] = {"correctness": 1.0, "length": 0.5}
     prompts: int = Field(1000, gt=0)
+    backend: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="rollouts: vLLM colocated in each rank (auto: when installed) or transformers' generate"
+    )
+    vllm_memory: float = operational(0.3, gt=0, le=1, description="GPU memory fraction of the colocated engine (CUDA only)")
 
     @model_validator(mode="after")
     def _grpo(self) -> GRPOCfg:

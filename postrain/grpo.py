@@ -1,9 +1,11 @@
 """GRPO with TRL: a verifiable correctness reward plus a length penalty, combined by `reward_weights`.
 
 The length penalty is a linear one past a target length (the playbook aimed at ~2k tokens of
-reasoning, penalising from ~2.5-3k) and/or TRL's soft overlong punishment (DAPO). On GPU the
-rollouts come from vLLM in colocate mode; on CPU from transformers' generate. GRPO needs a policy
-that already solves some prompts: a group whose answers are all wrong carries no signal.
+reasoning, penalising from ~2.5-3k) and/or TRL's soft overlong punishment (DAPO). Rollouts come
+from vLLM in TRL's colocate mode (an engine inside each rank's process, weights pushed in after each
+optimizer step) when `backend` picks it, else from transformers' generate. TRL's server mode is kept
+for GPUs: its weight sync needs NCCL. GRPO needs a policy that already solves some prompts: a group
+whose answers are all wrong carries no signal.
 """
 
 from __future__ import annotations
@@ -12,15 +14,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 from trl.rewards import get_soft_overlong_punishment
 
+from infra.env import apply_vllm_defaults
 from infra.recipe import GRPOCfg
 from postrain.common import train_and_save, trl_args
 from postrain.data import is_correct
-from postrain.generation import vllm_usable
+from postrain.generation import resolve_backend
 
 
 def _text(completion: Any) -> str:
@@ -62,7 +66,9 @@ def run_grpo(model_path: str, items: list[dict[str, Any]], cfg: GRPOCfg, out: Pa
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     funcs, weights = reward_functions(cfg)
-    vllm = vllm_usable()
+    vllm = resolve_backend(cfg.backend) == "vllm"
+    if vllm:
+        apply_vllm_defaults()
     args = trl_args(
         GRPOConfig,
         cfg,
@@ -74,8 +80,23 @@ def run_grpo(model_path: str, items: list[dict[str, Any]], cfg: GRPOCfg, out: Pa
         temperature=cfg.temperature,
         reward_weights=weights,
         use_vllm=vllm,
-        **({"vllm_mode": "colocate"} if vllm else {}),
+        **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": cfg.vllm_memory} if vllm else {}),
     )
     dataset = Dataset.from_list([{"prompt": i["prompt"], "answer": i["answer"]} for i in items])
     trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=dataset, processing_class=tokenizer)
+    if vllm:
+        unwrap_vllm_compile(model)
     return train_and_save(trainer, out, {"reward": "reward", "completion_length": "completions/mean_length"})
+
+
+def unwrap_vllm_compile(model: torch.nn.Module) -> None:
+    """Let the policy train after a colocated engine loaded its own copy.
+
+    vLLM serves SmolLM3 (and other architectures it has no native code for) through its transformers
+    backend, which wraps the transformers class itself, not a copy, for torch.compile. The policy was
+    built before the wrap, so its modules lack the wrapper's state (`do_not_compile`) and the first
+    forward fails; marked uncompiled, the wrapper calls their plain forward.
+    """
+    for module in model.modules():
+        if type(module).__call__ is not torch.nn.Module.__call__ and not hasattr(module, "do_not_compile"):
+            module.do_not_compile = True

@@ -24,7 +24,7 @@ from infra.steps import StepOutput
 from infra.storage import write_json_atomic
 from postrain import data as chat
 from postrain.common import heldout_accuracy
-from postrain.generation import make_backend
+from postrain.generation import make_backend, resolve_backend
 from postrain.preference import answers, build_pairs
 from postrain.run import RESULT, PostJob
 from tasks.common import run_logger, stage_task
@@ -120,10 +120,13 @@ def preference(cfg: PreferenceStepCfg, inputs: Inputs, out: Path) -> dict:
     p, policy = cfg.preference, inputs["policy"].path
     items = chat.read_jsonl(inputs["chats"].path / "train.jsonl")[: p.prompts]
     prompts = [i["prompt"] for i in items]
-    backend = lambda path: make_backend(p.backend, path, p.batch_size)  # noqa: E731
+    engine = resolve_backend(p.backend)
+    run_logger().info("preference: %d prompts, answers through %s", len(prompts), engine)
+    backend = lambda path: make_backend(engine, path, p.batch_size)  # noqa: E731
     strong_out = answers(backend, p.strong or str(policy / "final"), prompts, p.max_new_tokens, p.temperature)
     weak_out = answers(backend, p.weak or str(policy / "weak"), prompts, p.max_new_tokens, p.temperature)
     pairs, stats = build_pairs(items, strong_out, weak_out, p.dedup_threshold)
+    stats["backend"] = engine
     if not pairs:
         raise ValueError(f"no preference pairs survived: {stats}")
     chat.write_jsonl(out / "pairs.jsonl", pairs)

@@ -1,4 +1,4 @@
-"""Shared fixtures: a micro recipe, a real Prefect test server and a real S3 server on 127.0.0.1."""
+"""Shared fixtures: a real Prefect test server, a real S3 server on 127.0.0.1, a fine-tuned model vLLM can serve."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +71,26 @@ def s3_server():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def vllm_sft(tmp_path_factory) -> Path:
+    """A tiny model that vLLM can serve, briefly fine-tuned (answers that are not empty), with its early copy as the weak model."""
+    pytest.importorskip("vllm")
+    from infra.recipe import ModelCfg, SFTCfg
+    from model.network import build_model, model_config
+    from postrain import data as chat
+    from postrain.sft import run_sft
+    from tasks.curation import tokenizer as bpe
+
+    # vLLM's CPU attention kernels take head sizes of 32 and up: a tiny SmolLM3 with 2 heads of 32
+    arch = ModelCfg(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    root = tmp_path_factory.mktemp("vllm")
+    texts = [m["content"] for item in chat.generate(2000, {"arithmetic": 0.5, "word_problem": 0.5}, 49, 0) for m in item["messages"]]
+    tok = bpe.save_hf(bpe.train_bpe(iter(texts * 3), vocab_size=400, min_frequency=2), root / "base")
+    special = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    build_model(model_config(arch, len(tok), 256, special_ids=special), seed=0).save_pretrained(root / "base")
+    cfg = SFTCfg(learning_rate=3e-3, max_steps=240, batch_size=16, save_steps=240, logging_steps=40, weak_checkpoint_step=20, max_length=96)
+    # sums of numbers up to 9: learnt well enough in 240 steps that some answers are right
+    run_sft(str(root / "base"), chat.generate(2000, {"arithmetic": 1.0}, 9, 3), cfg, root / "sft", seed=0)
+    return root / "sft"

