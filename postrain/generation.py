@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import logging
+import os
 import sys
 import tempfile
+import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,7 +24,10 @@ import torch
 
 from infra.env import vllm_build, vllm_engine_args
 from infra.errors import SmolflowError
+from infra.launch import run_streaming
 from infra.procs import die_with_parent
+
+log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
@@ -73,7 +79,8 @@ class TransformersBackend:
 
 
 class VLLMBackend:
-    """vLLM's offline engine, one child process per `chat` call."""
+    """vLLM's offline engine, one child process per `chat` call; its lines go to this module's logger
+    (shown in flow run logs)."""
 
     def __init__(self, model_path: str):
         from transformers import AutoTokenizer
@@ -86,22 +93,35 @@ class VLLMBackend:
             request = Path(tmp) / "request.json"
             request.write_text(json.dumps({"model": self.model_path, "conversations": conversations, "max_new_tokens": max_new_tokens,
                                            "temperature": temperature}))  # fmt: skip
-            proc = subprocess.run([sys.executable, "-m", "postrain.generation", str(request)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-                raise GenerationFailed(f"vLLM on {self.model_path} exited with code {proc.returncode}:\n{tail}")
+            tail: deque[str] = deque(maxlen=15)
+            env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+            command = [sys.executable, "-m", "postrain.generation", str(request)]
+            code = run_streaming(command, env, lambda line: tail.append(line) or log.info(line))
+            if code != 0:
+                raise GenerationFailed(f"vLLM on {self.model_path} exited with code {code}:\n" + "\n".join(tail))
             return json.loads((Path(tmp) / "answers.json").read_text())
 
 
-def generate_with_vllm(request: dict[str, Any]) -> list[str]:
-    """Greedy (temperature 0) or sampled answers; the engine's seed is fixed, so a rerun samples the same."""
+def generate_with_vllm(request: dict[str, Any], chunk: int = 1024) -> list[str]:
+    """Greedy (temperature 0) or sampled answers, CHUNK conversations at a time with a progress line each;
+    the engine's seed is fixed, so a rerun samples the same."""
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
+    start = time.perf_counter()
     stop_ids = stop_token_ids(AutoTokenizer.from_pretrained(request["model"]))
     llm = LLM(model=request["model"], seed=0, **vllm_engine_args(torch.cuda.is_available()))
+    up = time.perf_counter()
+    print(f"vLLM: {request['model']} up in {up - start:.1f} s", flush=True)
     params = SamplingParams(max_tokens=request["max_new_tokens"], temperature=request["temperature"], stop_token_ids=stop_ids)
-    return [o.outputs[0].text.strip() for o in llm.chat(request["conversations"], params, use_tqdm=False)]
+    answers, tokens, conversations = [], 0, request["conversations"]
+    for i in range(0, len(conversations), chunk):
+        for out in llm.chat(conversations[i : i + chunk], params, use_tqdm=False):
+            answers.append(out.outputs[0].text.strip())
+            tokens += len(out.outputs[0].token_ids)
+        rate = tokens / (time.perf_counter() - up)
+        print(f"vLLM: {len(answers)}/{len(conversations)} answers, {tokens:,} tokens, {rate:,.0f} tokens/s", flush=True)
+    return answers
 
 
 def resolve_backend(kind: str) -> str:

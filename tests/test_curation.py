@@ -52,7 +52,8 @@ def read_ids(folder) -> list[str]:
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    """40 unique documents, 6 exact copies, 8 near copies (Jaccard >= 0.9), 3 with an eval item inside."""
+    """40 unique documents, 6 exact copies, 8 near copies (Jaccard >= 0.9), 3 with a long eval item inside,
+    3 with a short one, 2 with a short one's operator changed."""
     rng = random.Random(0)
     root = tmp_path_factory.mktemp("planted")
     uniques = [unique_doc(rng) for _ in range(40)]
@@ -69,6 +70,12 @@ def planted(tmp_path_factory):
     records += [
         {"id": f"leak{i}", "text": unique_doc(rng, 60) + " " + evals[i * 7]["question"] + " " + unique_doc(rng, 60)} for i in range(3)
     ]
+    # arithmetic items are 4 words, too short for the 14-gram index: 3 planted whole, 2 with another operator
+    sums = [json.loads(line)["question"] for line in (REPO / "configs/evals/arithmetic.jsonl").read_text().splitlines()]
+    products = [q for q in sums if " * " in q]
+    others = [q.replace(" * ", " - ") for q in products if q.replace(" * ", " - ") not in sums][:2]
+    records += [{"id": f"short{i}", "text": unique_doc(rng, 60) + " " + products[i] + " " + unique_doc(rng, 60)} for i in range(3)]
+    records += [{"id": f"other{i}", "text": unique_doc(rng, 60) + " " + q + " " + unique_doc(rng, 60)} for i, q in enumerate(others)]
     rng.shuffle(records)
     write_jsonl(root / "raw" / "part0.jsonl", records[: len(records) // 2])
     write_jsonl(root / "raw" / "part1.jsonl", records[len(records) // 2 :])
@@ -97,10 +104,14 @@ def test_exact_and_near_duplicates_are_removed(planted):
 
 
 def test_planted_eval_items_are_removed(planted):
+    """Long items by their 14-grams; items shorter than that by their exact words, symbols kept."""
     kept = read_ids(planted["steps"]["decont"] / "data")
-    assert not [i for i in kept if i.startswith("leak")]
-    assert planted["decont"]["hits"] == {"word_problems": 3}
-    assert len(kept) == 40
+    assert not [i for i in kept if i.startswith(("leak", "short"))]
+    assert planted["decont"]["hits"] == {"word_problems": 3, "arithmetic": 3}
+    assert planted["decont"]["hits_short"] == {"arithmetic": 3}
+    assert planted["decont"]["indexed_ngrams"]["arithmetic"] == {"items": 300, "ngrams": 0, "short_items": 300}
+    assert sorted(i for i in kept if i.startswith("other")) == ["other0", "other1"]  # "68 - 8" is not "68 * 8"
+    assert len(kept) == 42
 
 
 def test_tokenized_data_reads_back_to_the_same_text(planted, tmp_path):

@@ -15,10 +15,10 @@ import pytest
 from flows.graph import build_graph
 from infra.errors import StepLocked
 from infra.recipe import EvalCfg, parse_recipe
-from infra.steps import Step, run_step
+from infra.steps import Step, finished, run_step
 from model.checkpoint import CheckpointStore, mark_evaluated
 from tasks.evaluation.harness import prepare_tasks
-from tasks.evaluation.report import build_report
+from tasks.evaluation.report import build_report, phase_ends
 from tasks.evaluation.results import ModelRef, ResultStore, local_fingerprint, models_in_run
 from tasks.evaluation.runner import Evaluator
 from tests.helpers import REPO, micro_recipe
@@ -75,6 +75,9 @@ def test_lm_eval_scores_a_model_once_per_content(tmp_path, heldout):
     assert set(metrics) == {"smol_arithmetic_cf", "smol_arithmetic_mcf", "smol_ppl_math", "smol_arithmetic_gen"}
     assert 0 <= metrics["smol_arithmetic_cf"]["acc"] <= 1 and metrics["smol_ppl_math"]["bits_per_byte"] > 0
     assert 0 <= metrics["smol_arithmetic_gen"]["exact_match/answer"] <= 1
+    # a uniform guess over 4 choices; generative and perplexity tasks have no chance level
+    assert metrics["smol_arithmetic_cf"]["chance"] == metrics["smol_arithmetic_mcf"]["chance"] == 0.25
+    assert "chance" not in metrics["smol_arithmetic_gen"] and "chance" not in metrics["smol_ppl_math"]
     assert all(entry["limit"] == 6 for entry in record["tasks"].values())
 
     # the same content at another path is not evaluated again
@@ -220,7 +223,15 @@ def test_report_card_from_a_run_dir(tmp_path):
         )
     )
     (stage / "manifest.json").write_text(
-        json.dumps({"name": "pretrain_phase1", "step_id": "x", "fingerprint": "f", "seconds": 12.0, "summary": {}})
+        json.dumps(
+            {
+                "name": "pretrain_phase1",
+                "step_id": "x",
+                "fingerprint": "f",
+                "seconds": 12.0,
+                "summary": {"phase": "phase1", "steps": 5, "tokens": 1280},
+            }
+        )
     )
     (run / "sft").mkdir()
     ladder = {"eval_before": {"accuracy": 0.0, "mean_answer_tokens": 40.0}, "eval": {"accuracy": 0.25, "mean_answer_tokens": 20.0}}
@@ -231,13 +242,19 @@ def test_report_card_from_a_run_dir(tmp_path):
     models = models_in_run(run, graph.steps)
     assert [(m.label, m.tokens) for m in models] == [("phase1/step00000005", 1280)]
     store = ResultStore(str(run / "evals" / "results"))
-    store.put(models[0], {"smol_arithmetic_cf": {"acc": 0.3, "acc_norm": 0.2}, "smol_ppl_code": {"bits_per_byte": 2.5}}, "k", 150, 3.0)
+    cf = {"acc": 0.3, "acc_stderr": 0.04, "acc_norm": 0.2, "chance": 0.25}
+    scores = {"smol_arithmetic_cf": cf, "smol_ppl_code": {"bits_per_byte": 2.5}}
+    store.put(models[0], scores, "k", 150, 3.0)
 
     card = build_report(run, recipe.name, graph.steps)
     text = card.path.read_text()
     assert [p.name for p in card.plots] == ["pretrain.png", "evals.png", "postrain.png", "wall_time.png"]
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in card.plots)
     assert "| phase1 | 5 | 1,280 | 5.500 | 900 | 20.0% |" in text
+    # what the eval plots draw: the point with its stderr, the chance line, the end of phase1
+    cf = next(r for r in card.eval_rows if r["task"] == "smol_arithmetic_cf")
+    assert (cf["value"], cf["stderr"], cf["chance"], cf["tokens"]) == (0.3, 0.04, 0.25, 1280)
+    assert phase_ends([finished(run, "pretrain_phase1")]) == [("phase1", 1280)]
     assert "| phase1/step00000005 | 0.300 | 2.500 |" in text
     assert "| sft | 25.0% |  | 20.0 |" in text and "**2 of 17 steps finished** (pretrain_phase1, sft)" in text
     assert "## Curation" in text and "_not run yet_" in text  # sections without data say so

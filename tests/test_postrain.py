@@ -85,6 +85,30 @@ def test_preference_pairs_with_the_transformers_backend(base):
     assert stats["strong_accuracy"] == pytest.approx(5 / 6)
 
 
+def test_an_exported_model_chats_through_a_transformers_pipeline_without_warnings(base):
+    """What a user does with a model folder, in a fresh process (transformers warns once per process):
+    `pipeline("text-generation")` and a chat through its template, decoding that keeps the text as it is."""
+    import json
+    import subprocess
+    import sys
+
+    script = """if True:
+        import sys
+        from transformers import pipeline
+        generator = pipeline("text-generation", model=sys.argv[1])
+        # the pipeline asks for WordPiece clean-up unless told not to (transformers 5.17): the model card says so
+        chat = [{"role": "user", "content": "What is 2 + 3?"}]
+        turn = generator(chat, do_sample=False, max_new_tokens=16, clean_up_tokenization_spaces=False)[0]["generated_text"][-1]
+        assert turn["role"] == "assistant" and isinstance(turn["content"], str), turn
+        text = "So 2 + 3 = 5 . Is it ? The answer is 5 !"  # WordPiece clean-up would drop the spaces before . ? !
+        assert generator.tokenizer.decode(generator.tokenizer.encode(text, add_special_tokens=False)) == text
+    """
+    proc = subprocess.run([sys.executable, "-c", script, str(base)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "clean_up_tokenization_spaces" not in proc.stderr, proc.stderr
+    assert json.loads((base / "tokenizer_config.json").read_text())["clean_up_tokenization_spaces"] is False
+
+
 def test_hub_chat_loading_code_reads_local_files(tmp_path):
     """The real recipe's loader (`datasets`, SmolTalk-style `messages`), on local JSONL and Parquet copies."""
     import pyarrow as pa

@@ -87,6 +87,41 @@ class HeldOutSplit(BaseFilter):
         return (False, "heldout") if bucket < self.fraction else True
 
 
+def short_item_tokens(text: str) -> list[str]:
+    """Lower-cased words with the punctuation around them stripped; operators and inner symbols stay, so
+    "68 * 8" and "68 + 8" differ (the n-gram normalisation drops both and would confuse them)."""
+    return [t for t in (w.strip(EDGE_PUNCTUATION) for w in text.lower().split()) if t]
+
+
+EDGE_PUNCTUATION = ".,;:!?\"'()[]{}"
+
+
+class ShortItemDecontFilter(BaseFilter):
+    """Drop documents that contain a whole eval item too short for the n-gram index, as an exact
+    sequence of `short_item_tokens`; the count is kept per eval set (`contaminated_short_TASK`)."""
+
+    name = "🎯 Short eval items"
+
+    def __init__(self, items: dict[str, list[str]], exclusion_writer: DiskWriter | None = None):
+        super().__init__(exclusion_writer)
+        self.by_length: dict[int, dict[str, str]] = {}  # tokens per item -> {item's tokens joined: eval set}
+        for task, texts in items.items():
+            for text in texts:
+                tokens = short_item_tokens(text)
+                if tokens:
+                    self.by_length.setdefault(len(tokens), {})[" ".join(tokens)] = task
+
+    def filter(self, doc: Document) -> bool | tuple[bool, str]:
+        tokens = short_item_tokens(doc.text)
+        for length, items in self.by_length.items():
+            for start in range(len(tokens) - length + 1):
+                task = items.get(" ".join(tokens[start : start + length]))
+                if task is not None:
+                    self.stat_update(f"contaminated_short_{task}")
+                    return False, "contaminated_short"
+        return True
+
+
 class LengthFilter(BaseFilter):
     """Bounds on document length in characters: the one filter every domain can use."""
 

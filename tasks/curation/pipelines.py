@@ -39,7 +39,7 @@ from datatrove.utils.text import TextNormConfig, ngrams, simplify_text
 
 from infra.errors import DataError, SmolflowError
 from infra.recipe import DecontaminateCfg, DedupCfg, ExecutorCfg, S3Cfg, SourceCfg
-from tasks.curation.filters import HeldOutSplit, build_filters
+from tasks.curation.filters import HeldOutSplit, ShortItemDecontFilter, build_filters
 from tasks.curation.readers import list_source_files, make_reader
 from tasks.curation.tokenizer import EOS
 from tasks.curation.words import SPLIT_WORDS
@@ -241,8 +241,10 @@ def _count_lines(path: Path) -> int:
         return sum(1 for _ in f)
 
 
-def _writer(folder: Path, by_source: bool = True) -> JsonlWriter:
-    return JsonlWriter(str(folder), output_filename="${source}/${rank}.jsonl.gz" if by_source else "${rank}.jsonl.gz")
+def _writer(folder: Path, by_source: bool = True, suffix: str = "") -> JsonlWriter:
+    """SUFFIX tells apart the files of two writers sharing a folder (they would write the same names)."""
+    name = f"${{rank}}{suffix}.jsonl.gz"
+    return JsonlWriter(str(folder), output_filename=f"${{source}}/{name}" if by_source else name)
 
 
 def _reader(folder: Path, glob: str = "*.jsonl.gz") -> JsonlReader:
@@ -430,21 +432,25 @@ def decont_config(n_grams: int) -> NGramsDecontConfig:
     return NGramsDecontConfig(n_grams=n_grams, norm_config=DECONT_NORM)
 
 
-def build_decont_index(eval_sets: list[str], fields: list[str], n_grams: int, index_dir: Path) -> dict[str, int]:
+def build_decont_index(
+    eval_sets: list[str], fields: list[str], n_grams: int, index_dir: Path
+) -> tuple[dict[str, dict[str, int]], dict[str, list[str]]]:
     """Hash every n-gram of each eval item's text into `TASK.index.hashes` (datatrove's index format).
 
     datatrove's own indexer loads eval sets through lighteval; this reads the project's JSONL eval
     sets and normalises, splits and hashes exactly as `NGramsDecontFilter` does, so the filter
-    finds them. Items shorter than n words cannot be matched this way; the counts say how many.
+    finds them. Items shorter than n words cannot be matched this way: they are returned apart, per
+    eval set, for `ShortItemDecontFilter`'s exact check.
     """
     cfg = decont_config(n_grams)
     hash_func = create_hash_func(cfg.hash_config)
     index_dir.mkdir(parents=True, exist_ok=True)
     counts: dict[str, dict[str, int]] = {}
+    short: dict[str, list[str]] = {}
     for eval_path in eval_sets:
         task = Path(eval_path).name.split(".")[0]
         hashes: set[int] = set()
-        items = too_short = 0
+        items = n_short = 0
         try:
             lines = Path(eval_path).read_text().splitlines()
         except FileNotFoundError:
@@ -459,16 +465,18 @@ def build_decont_index(eval_sets: list[str], fields: list[str], n_grams: int, in
             text = " ".join(str(item[f]) for f in fields if f in item)
             words = SPLIT_WORDS.word_tokenize(simplify_text(text, cfg.norm_config))
             items += 1
-            too_short += len(words) < n_grams
+            if len(words) < n_grams:
+                n_short += 1
+                short.setdefault(task, []).append(text)
             hashes.update(hash_func(" ".join(g)) for g in ngrams(words, n_grams))
         np.array(sorted(hashes), dtype=cfg.hash_config.np_descr).tofile(index_dir / f"{task}.index.hashes")
-        counts[task] = {"items": items, "ngrams": len(hashes), "too_short": too_short}
-    return counts
+        counts[task] = {"items": items, "ngrams": len(hashes), "short_items": n_short}
+    return counts, short
 
 
 def decontaminate(cfg: DecontaminateCfg, executor: ExecutorCfg, deduped: Path, out: Path) -> dict[str, Any]:
     index_dir = out / "index"
-    indexed = build_decont_index(cfg.eval_sets, cfg.fields, cfg.n_grams, index_dir)
+    indexed, short = build_decont_index(cfg.eval_sets, cfg.fields, cfg.n_grams, index_dir)
     n_files = len(list((deduped / DATA).glob(DOC_FILES)))
     stats = run_pipeline(
         executor,
@@ -480,20 +488,21 @@ def decontaminate(cfg: DecontaminateCfg, executor: ExecutorCfg, deduped: Path, o
                 exclusion_writer=_writer(out / "removed", by_source=True),
                 language=SPLIT_WORDS,
             ),
+            ShortItemDecontFilter(short, exclusion_writer=_writer(out / "removed", suffix="-short")),
             _writer(out / DATA),
         ],
         out / "logs" / "decontamination",
         _tasks_for(executor, n_files),
         "decontamination",
     )
-    counters = stats[1]["counters"]
+    counters, short_counters = stats[1]["counters"], stats[2]["counters"]
+    tasks = [k for k in counters if k.startswith("contaminated_") and not k.startswith("contaminated_tg_")]  # tg_: task groups
+    ngram_hits = {k.removeprefix("contaminated_"): counters[k] for k in tasks}
+    short_hits = {k.removeprefix("contaminated_short_"): v for k, v in short_counters.items() if k.startswith("contaminated_short_")}
     return {
         "indexed_ngrams": indexed,
-        "hits": {
-            k.removeprefix("contaminated_"): v
-            for k, v in counters.items()
-            if k.startswith("contaminated_") and not k.startswith("contaminated_tg_")
-        },
+        "hits": dict(Counter(ngram_hits) + Counter(short_hits)),
+        "hits_short": short_hits,
         "hits_by_source": count_docs(out / "removed"),
         "docs_in": counters.get("total", 0),
         "docs_out": count_docs(out / DATA),

@@ -100,8 +100,13 @@ def curation_report(
     out.append("")
 
     out += ["## Decontamination", ""]
-    rows = [[task, v["items"], v["ngrams"], v["too_short"], decont["hits"].get(task, 0)] for task, v in decont["indexed_ngrams"].items()]
-    out += [_table(["eval set", "items", "n-grams indexed", "items too short to index", "documents removed"], rows), ""]
+    short_hits = decont.get("hits_short", {})
+    rows = [
+        [task, v["items"], v["ngrams"], v["short_items"], decont["hits"].get(task, 0), short_hits.get(task, 0)]
+        for task, v in decont["indexed_ngrams"].items()
+    ]
+    head = ["eval set", "items", "n-grams indexed", "items shorter than n (exact match)", "documents removed", "of them by a short item"]
+    out += [_table(head, rows), ""]
     out += [f"- {ex}" for ex in examples(decontaminated.path / "removed", examples_per_filter)]
     out.append("")
 

@@ -73,8 +73,13 @@ def train_bpe(texts: Iterator[str], vocab_size: int, min_frequency: int) -> Toke
 
 
 def save_hf(tokenizer: Tokenizer, out: Path) -> PreTrainedTokenizerFast:
-    """Save as a transformers tokenizer (tokenizer.json + config + chat template)."""
-    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=PAD, chat_template=CHAT_TEMPLATE)
+    """Save as a transformers tokenizer (tokenizer.json + config + chat template).
+
+    `clean_up_tokenization_spaces` is off: that clean-up is for WordPiece, strips the space before
+    punctuation in BPE text, and transformers warns on every load of a config that asks for it."""
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=EOS, pad_token=PAD, chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False
+    )
     hf.save_pretrained(str(out))
     return hf
 

@@ -92,7 +92,24 @@ def run_tasks(model_dir: Path, tasks: list[str], include: Path, cfg: EvalCfg, ch
         torch_random_seed=0,
         fewshot_random_seed=0,
     )
-    return {task: _plain(metrics) for task, metrics in results["results"].items()}
+    scores = {task: _plain(metrics) for task, metrics in results["results"].items()}
+    for task, chance in chance_levels(manager, tasks, cfg.limit).items():
+        scores.setdefault(task, {})["chance"] = chance
+    return scores
+
+
+def chance_levels(manager, tasks: list[str], limit: int | None) -> dict[str, float]:
+    """A uniform guess's expected accuracy per multiple-choice task (mean of 1/choices over the docs
+    scored), for plots: lm-eval does not report it, and it differs per task (PIQA 2 choices, ARC 4-5)."""
+    from lm_eval.api.task import Task
+    from lm_eval.tasks import get_task_dict
+
+    levels = {}
+    for name, task in get_task_dict(tasks, manager).items():
+        if isinstance(task, Task) and task.OUTPUT_TYPE == "multiple_choice":
+            docs = list(task.eval_docs)[:limit] if limit else list(task.eval_docs)
+            levels[str(name)] = sum(1 / len(task.doc_to_choice(doc)) for doc in docs) / max(1, len(docs))
+    return levels
 
 
 def _model(model_dir: Path, cfg: EvalCfg):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.steps import Step, StepOutput, finished
-from tasks.evaluation.results import made_by, main_metric
+from tasks.evaluation.results import made_by, main_metric, stderr_of
 
 
 @dataclass
@@ -41,7 +41,7 @@ def build_report(run_dir: Path, name: str, graph: list[Step]) -> Card:
     lines += _summary(graph, steps, evals)
     lines += _curation([s for s in graph if s.stage == graph[0].stage], steps)
     lines += _pretraining(run_dir, [s for s in graph if s.checkpoints], plots_dir, card)
-    lines += _evaluations(evals, order, plots_dir, card)
+    lines += _evaluations(evals, order, phase_ends([steps[s.name] for s in graph if s.checkpoints and s.name in steps]), plots_dir, card)
     lines += _post_training([(s.model, steps[s.name]) for s in graph if s.model and s.name in steps], evals, plots_dir, card)
     lines += _wall_time(steps, plots_dir, card)
     card.markdown = "\n".join(lines) + "\n"
@@ -49,6 +49,18 @@ def build_report(run_dir: Path, name: str, graph: list[Step]) -> Card:
     tmp.write_text(card.markdown)
     tmp.replace(card.path)
     return card
+
+
+def phase_ends(phases: list[StepOutput]) -> list[tuple[str, int]]:
+    """(phase, tokens) where each finished pretraining phase ended, counted as its checkpoints count
+    tokens: the global step (the steps of the phases before it, plus its own) x its tokens per step."""
+    ends, steps = [], 0
+    for out in phases:
+        s = out.summary
+        if s.get("steps"):
+            steps += s["steps"]
+            ends.append((s.get("phase", out.name), round(steps * s["tokens"] / s["steps"])))
+    return ends
 
 
 def _eval_records(run_dir: Path, graph: list[Step]) -> list[dict]:
@@ -123,7 +135,9 @@ def _pretraining(run_dir: Path, phases: list[Step], plots_dir: Path, card: Card)
     return ["## Pretraining", "", f"![loss and throughput]({path.relative_to(card.path.parent)})", "", *rows, ""]
 
 
-def _evaluations(evals: list, order: list[str], plots_dir: Path, card: Card) -> list[str]:
+def _evaluations(evals: list, order: list[str], boundaries: list[tuple[str, int]], plots_dir: Path, card: Card) -> list[str]:
+    """Each eval vs tokens with lm-eval's standard error, the chance level (multiple choice) and the
+    ends of the pretraining phases (BOUNDARIES: phase, cumulative tokens); then a table per model."""
     import matplotlib.pyplot as plt
 
     for record in sorted(evals, key=lambda r: _training_order(r["model"], order)):
@@ -132,23 +146,32 @@ def _evaluations(evals: list, order: list[str], plots_dir: Path, card: Card) -> 
             main = main_metric(entry["metrics"])
             if main:
                 row = {"model": model["label"], "tokens": model.get("tokens"), "task": task, "metric": main[0], "value": round(main[1], 4)}
+                row |= {"stderr": stderr_of(entry["metrics"], main[0]), "chance": entry["metrics"].get("chance")}
                 card.eval_rows.append(row)
     if not card.eval_rows:
         return ["## Evaluations", "", "_no evaluation results yet_", ""]
-    series: dict[str, list[tuple[int, float]]] = {}
+    series: dict[str, list[dict]] = {}
     for row in card.eval_rows:
         if row["tokens"]:
-            series.setdefault(f"{row['task']} ({row['metric']})", []).append((row["tokens"], row["value"]))
+            series.setdefault(f"{row['task']} ({row['metric']})", []).append(row)
     lines = ["## Evaluations", ""]
     if series:
         cols = 3
         nrows = (len(series) + cols - 1) // cols
         fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3 * nrows), squeeze=False)
-        for ax, (name, points) in zip(axes.flat, sorted(series.items())):
-            points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+        for ax, (name, rows) in zip(axes.flat, sorted(series.items())):
+            rows.sort(key=lambda r: r["tokens"])
+            errors = [r["stderr"] or 0.0 for r in rows]
+            ax.errorbar([r["tokens"] for r in rows], [r["value"] for r in rows], yerr=errors, marker="o", capsize=2, label="± stderr")
+            chance = next((r["chance"] for r in rows if r["chance"] is not None), None)
+            if chance is not None:
+                ax.axhline(chance, color="grey", linestyle="--", linewidth=1, label=f"chance {chance:.2f}")
+            for phase, end in boundaries:
+                ax.axvline(end, color="tab:orange", linestyle=":", linewidth=1)
+                ax.text(end, 1.0, f" {phase}", transform=ax.get_xaxis_transform(), fontsize=6, rotation=90, va="top")
             ax.set_title(name.removeprefix("smol_"), fontsize=9)
             ax.set_xlabel("tokens", fontsize=8)
+            ax.legend(fontsize=6, loc="best")
         for ax in list(axes.flat)[len(series) :]:
             ax.axis("off")
         path = _save(fig, plots_dir / "evals.png", card)
