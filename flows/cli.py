@@ -274,6 +274,31 @@ def report(
     typer.echo(f"{card.path} ({len(card.plots)} plots, {len(card.eval_rows)} eval results)")
 
 
+@app.command()
+def publish(
+    run_dir: Annotated[Path, typer.Argument(help="A run dir, e.g. runs/tiny.", show_default=False)],
+    step: Annotated[str, typer.Argument(help="The step whose final/ model to publish, e.g. grpo or pretrain_phase3.", show_default=False)],
+    repo_id: Annotated[str, typer.Argument(help="Hub repository, e.g. my-org/smol-tiny-grpo (created if missing).", show_default=False)],
+    private: Annotated[bool, typer.Option(help="Create the repository private.")] = False,
+    card_only: Annotated[bool, typer.Option("--card-only", help="Print the card that would be uploaded; upload nothing.")] = False,
+) -> None:
+    """Upload a finished model folder to the Hugging Face hub, with its model card and the eval results recorded
+    since the step finished. Needs the network and a token (HF_TOKEN or `hf auth login`); smolflow runs offline
+    by default, so run it as `HF_HUB_OFFLINE=0 smolflow publish ...`."""
+    from tasks.card import publish as upload
+    from tasks.card import publish_card
+
+    try:
+        folder, card = publish_card(run_dir, step)
+        if card_only:
+            typer.echo(card)
+            return
+        typer.echo(f"{folder}: uploading to {repo_id}")
+        typer.echo(upload(folder, card, repo_id, private))
+    except SmolflowError as err:
+        _fail(err)
+
+
 @app.command("eval")
 def eval_cmd(
     source: Annotated[str, typer.Argument(help="A run dir or an s3:// prefix of mirrored checkpoints.", show_default=False)],

@@ -447,6 +447,7 @@ class ChatDataCfg(Strict):
     generated: int = Field(4000, ge=0, description="examples generated offline (tasks of postrain/data.py)")
     families: dict[Family, float] = {"arithmetic": 0.4, "word_problem": 0.4, "reverse_word": 0.1, "count_letters": 0.1}
     max_value: int = Field(49, gt=0)
+    operators: str = Field("+-*", pattern=r"^[-+*]+$", description="operators of the generated arithmetic problems")
     heldout: int = Field(200, gt=0)
     hub: list[HubChatCfg] = []
     dedup_threshold: float = Field(0.9, gt=0, le=1)
@@ -499,6 +500,13 @@ class PreferenceCfg(Strict):
 class APOCfg(TrainerCfg):
     beta: float = Field(0.05, gt=0)
     loss_type: list[str] = ["apo_zero"]
+    loss_weights: list[float] | None = Field(None, description="one weight per loss_type (TRL's default: all 1)")
+
+    @model_validator(mode="after")
+    def _one_weight_per_loss(self) -> APOCfg:
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise ValueError(f"loss_weights has {len(self.loss_weights)} weights for {len(self.loss_type)} loss types {self.loss_type}")
+        return self
 
 
 class GRPOCfg(TrainerCfg):

@@ -134,6 +134,7 @@ class StepOutput:
     summary: dict[str, Any] = field(default_factory=dict)
     cached: bool = False
     seconds: float = 0.0
+    lineage: dict[str, str] = field(default_factory=dict)  # every upstream step's name -> step id, upstream first
 
 
 def fingerprint_tree(root: Path, skip_dirs: tuple[str, ...] = UNTRACKED_DIRS) -> str:
@@ -167,7 +168,17 @@ def _output(manifest: dict[str, Any], path: Path, cached: bool) -> StepOutput:
         summary=manifest.get("summary", {}),
         cached=cached,
         seconds=manifest.get("seconds", 0.0),
+        lineage=dict(manifest.get("lineage", [])),
     )
+
+
+def lineage(inputs: Mapping[str, StepOutput]) -> dict[str, str]:
+    """The upstream steps of a step with these inputs, by name (read from the inputs, never recomputed)."""
+    out: dict[str, str] = {}
+    for upstream in inputs.values():
+        if isinstance(upstream, StepOutput):
+            out |= upstream.lineage | {upstream.name: upstream.step_id}
+    return out
 
 
 def finished(run_dir: Path, name: str) -> StepOutput | None:
@@ -299,6 +310,7 @@ def _build(root: Path, folder: str, step: Step, sid: str, fingerprints: dict[str
         "step_id": sid,
         "config": identity(step.config),
         "inputs": fingerprints,
+        "lineage": list(lineage(inputs).items()),  # pairs: JSON objects are written with sorted keys
         "fingerprint": fingerprint_tree(partial),
         "summary": summary,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),

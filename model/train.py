@@ -602,7 +602,12 @@ def main() -> None:
     parser.add_argument("job", type=Path, help="the phase's job.json")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher (LOCAL_RANK is used)")
     args = parser.parse_args()
-    train(TrainJob.model_validate_json(args.job.read_text()))
+    try:
+        train(TrainJob.model_validate_json(args.job.read_text()))
+    finally:
+        # an exit with the group still up can abort a rank (SIGABRT) while gloo's peers hang up
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,15 @@ def run_apo(model_path: str, pairs: list[dict[str, Any]], cfg: APOCfg, out: Path
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     args = trl_args(
-        DPOConfig, cfg, out, seed, loss_type=list(cfg.loss_type), beta=cfg.beta, precompute_ref_log_probs=True, max_length=cfg.max_length
+        DPOConfig,
+        cfg,
+        out,
+        seed,
+        loss_type=list(cfg.loss_type),
+        loss_weights=cfg.loss_weights,
+        beta=cfg.beta,
+        precompute_ref_log_probs=True,
+        max_length=cfg.max_length,
     )
     dataset = Dataset.from_list([{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in pairs])
     trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)

@@ -25,22 +25,22 @@ ANSWER = re.compile(r"answer is\s+(-?[\w']+)", re.IGNORECASE)
 WORDS = sorted({w.lower() for w in dir(builtins) + keyword.kwlist if w.isalpha() and 3 <= len(w) <= 10})
 
 
-def _arithmetic(rng: random.Random, max_value: int) -> tuple[str, str, str]:
-    question, solution, answer = arithmetic_problem(rng, max_value)
+def _arithmetic(rng: random.Random, max_value: int, operators: str) -> tuple[str, str, str]:
+    question, solution, answer = arithmetic_problem(rng, max_value, operators)
     return question, solution, str(answer)
 
 
-def _word_problem(rng: random.Random, max_value: int) -> tuple[str, str, str]:
+def _word_problem(rng: random.Random, max_value: int, _: str) -> tuple[str, str, str]:
     question, solution, answer = word_problem(rng, max_value)
     return question, solution, str(answer)
 
 
-def _reverse(rng: random.Random, _: int) -> tuple[str, str, str]:
+def _reverse(rng: random.Random, *_: object) -> tuple[str, str, str]:
     word = rng.choice(WORDS)
     return f"Reverse the word '{word}'.", f"'{word}' backwards is '{word[::-1]}'. The answer is {word[::-1]}.", word[::-1]
 
 
-def _count_letters(rng: random.Random, _: int) -> tuple[str, str, str]:
+def _count_letters(rng: random.Random, *_: object) -> tuple[str, str, str]:
     word = rng.choice(WORDS)
     return (
         f"How many letters are in the word '{word}'?",
@@ -49,7 +49,7 @@ def _count_letters(rng: random.Random, _: int) -> tuple[str, str, str]:
     )
 
 
-FAMILIES: dict[str, Callable[[random.Random, int], tuple[str, str, str]]] = {
+FAMILIES: dict[str, Callable[[random.Random, int, str], tuple[str, str, str]]] = {
     "arithmetic": _arithmetic,
     "word_problem": _word_problem,
     "reverse_word": _reverse,
@@ -63,13 +63,13 @@ def example(question: str, solution: str, answer: str, family: str) -> dict[str,
     return {"prompt": [user], "messages": [user, {"role": "assistant", "content": solution}], "answer": answer, "family": family}
 
 
-def generate(n: int, families: dict[str, float], max_value: int, seed: int) -> list[dict[str, Any]]:
+def generate(n: int, families: dict[str, float], max_value: int, seed: int, operators: str = "+-*") -> list[dict[str, Any]]:
     rng = random.Random(seed)
     names, weights = list(families), list(families.values())
     out = []
     for _ in range(n):
         family = rng.choices(names, weights)[0]
-        out.append(example(*FAMILIES[family](rng, max_value), family))
+        out.append(example(*FAMILIES[family](rng, max_value, operators), family))
     return out
 
 

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -79,13 +80,13 @@ class TransformersBackend:
 
 
 class VLLMBackend:
-    """vLLM's offline engine, one child process per `chat` call; its lines go to this module's logger
-    (shown in flow run logs)."""
+    """vLLM's offline engine, one child process per `chat` call; its output lines (start-up, progress)
+    go to ON_LINE (a step passes its run logger)."""
 
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, on_line: Callable[[str], None] | None = None):
         from transformers import AutoTokenizer
 
-        self.model_path = model_path
+        self.model_path, self.on_line = model_path, on_line or log.info
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def chat(self, conversations: list[list[dict[str, str]]], max_new_tokens: int, temperature: float) -> list[str]:
@@ -96,7 +97,7 @@ class VLLMBackend:
             tail: deque[str] = deque(maxlen=15)
             env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
             command = [sys.executable, "-m", "postrain.generation", str(request)]
-            code = run_streaming(command, env, lambda line: tail.append(line) or log.info(line))
+            code = run_streaming(command, env, lambda line: tail.append(line) or self.on_line(line))
             if code != 0:
                 raise GenerationFailed(f"vLLM on {self.model_path} exited with code {code}:\n" + "\n".join(tail))
             return json.loads((Path(tmp) / "answers.json").read_text())
@@ -132,9 +133,9 @@ def resolve_backend(kind: str) -> str:
     return "vllm" if kind == "vllm" or (kind == "auto" and build) else "transformers"
 
 
-def make_backend(kind: str, model_path: str, batch_size: int = 32) -> Backend:
+def make_backend(kind: str, model_path: str, batch_size: int = 32, on_line: Callable[[str], None] | None = None) -> Backend:
     if resolve_backend(kind) == "vllm":
-        return VLLMBackend(model_path)
+        return VLLMBackend(model_path, on_line)
     return TransformersBackend(model_path, batch_size)
 
 

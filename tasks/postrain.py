@@ -27,6 +27,7 @@ from postrain.common import heldout_accuracy
 from postrain.generation import make_backend, resolve_backend
 from postrain.preference import answers, build_pairs
 from postrain.run import RESULT, PostJob
+from tasks.card import write_card
 from tasks.common import run_logger, stage_task
 from tasks.curate import eval_set_fingerprint
 from tasks.curation.corpus import read_eval_questions
@@ -37,7 +38,7 @@ Inputs = Mapping[str, StepOutput]
 
 def score(cfg: GenerationCfg, model_path: Path, chats: StepOutput) -> dict:
     """Held-out accuracy and answer length of one model, its backend released afterwards."""
-    backend = make_backend(cfg.backend, str(model_path), cfg.batch_size)
+    backend = make_backend(cfg.backend, str(model_path), cfg.batch_size, run_logger().info)
     try:
         return heldout_accuracy(backend, backend.tokenizer, chat.read_jsonl(chats.path / "heldout.jsonl"), cfg.max_new_tokens)
     finally:
@@ -57,7 +58,7 @@ def eval_sets(cfg: ChatDataStepCfg) -> dict[str, str]:
 
 def chat_data(cfg: ChatDataStepCfg, inputs: Inputs, out: Path) -> dict:
     d = cfg.data
-    items = chat.generate(d.generated + d.heldout, d.families, d.max_value, cfg.seed)
+    items = chat.generate(d.generated + d.heldout, d.families, d.max_value, cfg.seed, d.operators)
     for hub in d.hub:
         items += chat.load_hub_chat(hub.path, hub.split, hub.limit)
     kept, counts = chat.dedup_and_decontaminate(items, read_eval_questions(cfg.eval_sets), d.dedup_threshold)
@@ -92,10 +93,11 @@ def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, dat
     return json.loads(result.read_text())
 
 
-def scored(cfg: TrainedStepCfg, result: dict, out: Path, chats: StepOutput) -> dict:
-    """The trainer's result plus the held-out score of the model it left in `out/final`."""
-    summary = {**result, "eval": score(cfg.heldout_eval, out / "final", chats)}
+def scored(cfg: TrainedStepCfg, result: dict, out: Path, inputs: Inputs) -> dict:
+    """The trainer's result plus the held-out score of the model it left in `out/final`, which gets its card."""
+    summary = {**result, "eval": score(cfg.heldout_eval, out / "final", inputs["chats"])}
     run_logger().info("%s: held-out accuracy %.1f%%", out.name, 100 * summary["eval"]["accuracy"])
+    write_card(out, cfg, summary, inputs)
     return summary
 
 
@@ -108,7 +110,7 @@ def sft(cfg: SFTStepCfg, inputs: Inputs, out: Path) -> dict:
     before = score(cfg.heldout_eval, base, chats)
     run_logger().info("%s: the base model's held-out accuracy %.1f%%", out.name, 100 * before["accuracy"])
     result = train(cfg, "sft", cfg.sft, base, chats.path / "train.jsonl", out)
-    return scored(cfg, {**result, "eval_before": before}, out, chats)
+    return scored(cfg, {**result, "eval_before": before}, out, inputs)
 
 
 class PreferenceStepCfg(Strict):
@@ -122,7 +124,7 @@ def preference(cfg: PreferenceStepCfg, inputs: Inputs, out: Path) -> dict:
     prompts = [i["prompt"] for i in items]
     engine = resolve_backend(p.backend)
     run_logger().info("preference: %d prompts, answers through %s", len(prompts), engine)
-    backend = lambda path: make_backend(engine, path, p.batch_size)  # noqa: E731
+    backend = lambda path: make_backend(engine, path, p.batch_size, run_logger().info)  # noqa: E731
     strong_out = answers(backend, p.strong or str(policy / "final"), prompts, p.max_new_tokens, p.temperature)
     weak_out = answers(backend, p.weak or str(policy / "weak"), prompts, p.max_new_tokens, p.temperature)
     pairs, stats = build_pairs(items, strong_out, weak_out, p.dedup_threshold)
@@ -140,7 +142,7 @@ class APOStepCfg(TrainedStepCfg):
 
 def apo(cfg: APOStepCfg, inputs: Inputs, out: Path) -> dict:
     result = train(cfg, "apo", cfg.apo, inputs["policy"].path / "final", inputs["pairs"].path / "pairs.jsonl", out)
-    return scored(cfg, result, out, inputs["chats"])
+    return scored(cfg, result, out, inputs)
 
 
 class GRPOStepCfg(TrainedStepCfg):
@@ -149,7 +151,7 @@ class GRPOStepCfg(TrainedStepCfg):
 
 def grpo(cfg: GRPOStepCfg, inputs: Inputs, out: Path) -> dict:
     result = train(cfg, "grpo", cfg.grpo, inputs["policy"].path / "final", inputs["chats"].path / "train.jsonl", out)
-    return scored(cfg, result, out, inputs["chats"])
+    return scored(cfg, result, out, inputs)
 
 
 @stage_task("postrain-report", retries=1)

@@ -25,6 +25,7 @@ from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, o
 from infra.steps import StepOutput, building_step_id
 from infra.storage import write_json_atomic
 from model.train import Schedule, TrainConfig, TrainJob, measure_peak_flops
+from tasks.card import write_card
 from tasks.common import run_logger, stage_task
 from tasks.curation.mixtures import MixturePhase, windows
 
@@ -176,7 +177,9 @@ def train_phase(cfg: PhaseStepCfg, inputs: Mapping[str, StepOutput], out: Path) 
         raise TrainerFailed(
             f"pretrain {t.phase}: trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint"
         )
-    return json.loads(summary.read_text())
+    result = json.loads(summary.read_text())
+    write_card(out, cfg, result, inputs)
+    return result
 
 
 def run_slurm_job(

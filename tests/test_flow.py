@@ -191,6 +191,39 @@ def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_ser
     assert Path(sft_final).name == "final" and summary["loss"] and 0 <= summary["eval"]["accuracy"] <= 1
     assert (tmp_path / "run" / "sft" / "weak" / "model.safetensors").exists()
 
+    # every exported model folder carries its card: lineage back to curation, tokens per phase, its held-out score
+    run = tmp_path / "run"
+    phases = [json.loads((run / f"pretrain_{s}" / MANIFEST).read_text()) for s in ("phase1", "phase2", "phase3", "long_context")]
+    sft_manifest = json.loads((run / "sft" / MANIFEST).read_text())
+    lineage = [name for name, _ in phases[-1]["lineage"]]
+    assert lineage[:3] == ["corpus", "ingest", "filter"] and lineage[-1] == "pretrain_phase3", "upstream first"
+    for manifest in [*phases, sft_manifest]:
+        card = (run / manifest["name"] / "final" / "README.md").read_text()
+        assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: text-generation\n"), card[:200]
+        for name, sid in [*manifest["lineage"], (manifest["name"], manifest["step_id"])]:
+            assert f"| {name} | `{sid}` |" in card, name
+        assert f"smolflow publish RUN_DIR {manifest['name']} REPO_ID" in card
+    tokens = sum(m["summary"]["tokens"] for m in phases)
+    assert f"Tokens seen in pretraining: {tokens:,}." in (run / "pretrain_long_context" / "final" / "README.md").read_text()
+    sft_card = (run / "sft" / "final" / "README.md").read_text()
+    assert "| sft | max_steps 20, batch_size" in sft_card and f"{sft_manifest['summary']['eval']['accuracy']:.1%}" in sft_card
+    assert {"chat_data", "pretrain_long_context"} <= {name for name, _ in sft_manifest["lineage"]}
+
+    from transformers import pipeline
+
+    turn = pipeline("text-generation", model=sft_final)([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=8)
+    assert turn[0]["generated_text"][-1]["role"] == "assistant"  # the exported folder chats through its template
+
+    from tasks.evaluation.results import ResultStore, local_fingerprint
+
+    # publishing: refused offline with the way out; the card it would upload has the lm-eval results recorded since
+    smolflow = str(Path(sys.executable).parent / "smolflow")
+    out = subprocess.run([smolflow, "publish", str(run), "sft", "me/tiny-sft"], capture_output=True, text=True)
+    assert out.returncode == 2 and "HF_HUB_OFFLINE" in out.stderr, out.stderr
+    out = subprocess.run([smolflow, "publish", str(run), "pretrain_long_context", "x/y", "--card-only"], capture_output=True, text=True)
+    record = ResultStore(str(run / "evals" / "results")).get(local_fingerprint(run / "pretrain_long_context" / "final"))
+    assert out.returncode == 0 and record and all(f"| {task} |" in out.stdout for task in record["tasks"]), out.stdout
+
 
 def test_stage_on_an_empty_run_dir_says_what_to_run_first(tmp_path):
     recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe())

@@ -109,6 +109,77 @@ def test_an_exported_model_chats_through_a_transformers_pipeline_without_warning
     assert json.loads((base / "tokenizer_config.json").read_text())["clean_up_tokenization_spaces"] is False
 
 
+def test_publish_uploads_the_folder_with_its_card_and_later_evals_to_a_mock_hub(base, tmp_path, monkeypatch):
+    """The hub cannot be reached here: its two calls are recorded instead. What is uploaded is real."""
+    import json
+    import shutil
+
+    import huggingface_hub
+    from huggingface_hub import HfApi
+
+    from infra.errors import SmolflowError
+    from tasks.card import publish, publish_card
+    from tasks.evaluation.results import ResultStore, local_fingerprint
+
+    run = tmp_path / "run"
+    shutil.copytree(base, run / "sft" / "final")
+    (run / "sft" / "final" / "training_args.bin").write_bytes(b"pickle")
+    evaluation = {"accuracy": 0.5, "mean_answer_tokens": 12.0, "by_family": {"arithmetic": 0.5}}
+    manifest = {"name": "sft", "step_id": "s1", "config": {"sft": {"max_steps": 7}}, "summary": {"eval": evaluation}, "lineage": []}
+    (run / "sft" / "manifest.json").write_text(json.dumps(manifest))
+    folder = run / "sft" / "final"
+    before = local_fingerprint(folder)
+    (run / "evals" / "results").mkdir(parents=True)
+    metrics = {"metrics": {"exact_match/answer": 0.25, "exact_match_stderr/answer": 0.05}}
+    (run / "evals" / "results" / f"{before}.json").write_text(json.dumps({"tasks": {"smol_arithmetic_gen": metrics}}))
+    assert ResultStore(str(run / "evals" / "results")).get(before)
+
+    calls = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("repo", repo_id, kw)))
+    monkeypatch.setattr(HfApi, "create_commit", lambda self, repo_id, ops, **kw: calls.append(("commit", repo_id, ops)) or _Commit())
+    monkeypatch.setenv("HF_TOKEN", "hf_dummy")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SmolflowError, match="HF_HUB_OFFLINE"):
+        publish(*publish_card(run, "sft"), "me/tiny-sft", private=True)
+    assert not calls, "nothing is sent offline"
+    with pytest.raises(SmolflowError, match="no finished model folder.*finished here: sft"):
+        publish_card(run, "grpo")
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    url = publish(*publish_card(run, "sft"), "me/tiny-sft", private=True)
+    assert url == _Commit.commit_url and calls[0] == ("repo", "me/tiny-sft", {"private": True, "exist_ok": True})
+    ops = {op.path_in_repo: op for op in calls[1][2]}
+    weights = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {"training_args.bin"}
+    assert set(ops) == weights | {"README.md"}, "every file of the folder but the pickle, and the card"
+    card = ops["README.md"].path_or_fileobj.decode()
+    assert card.startswith("---\nlibrary_name: transformers") and "| smol_arithmetic_gen | exact_match/answer | 0.2500 | 0.0500 |" in card
+    assert "| sft | max_steps 7 | 50.0% | arithmetic 50% | 12.0 |" in card
+    assert local_fingerprint(folder) == before, "the committed folder is never rewritten"
+
+
+class _Commit:
+    commit_url = "https://huggingface.co/me/tiny-sft/commit/0"
+
+
+def test_column_work_reads_back_the_right_answer_for_every_pair():
+    """The worked solutions teach the method: each column's result is right, and the answer is the last
+    column's value followed by the units digits of the others (a wrong step would be learned as arithmetic)."""
+    import re
+
+    from postrain.problems import column_work
+
+    for op in "+-*":
+        for a in range(100):
+            for b in range(13 if op == "*" else 100):
+                work = column_work(a, op, b)
+                steps = re.findall(r"(\d+) ([-+*]) (\d+)(?: \+ (\d+))? = (\d+)", work.split(": ", 1)[1])
+                for x, o, y, carry, value in steps:
+                    assert {"+": int(x) + int(y), "-": int(x) - int(y), "*": int(x) * int(y)}[o] + int(carry or 0) == int(value), work
+                digits = steps[-1][-1] + "".join(s[-1][-1] for s in reversed(steps[:-1]))
+                answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+                assert ("-" if answer < 0 else "") + str(int(digits)) == str(answer), work
+
+
 def test_hub_chat_loading_code_reads_local_files(tmp_path):
     """The real recipe's loader (`datasets`, SmolTalk-style `messages`), on local JSONL and Parquet copies."""
     import pyarrow as pa
@@ -139,6 +210,8 @@ def test_vllm_and_transformers_give_the_same_greedy_answers(vllm_sft):
 
 
 def test_the_preference_step_generates_its_pairs_with_vllm(vllm_sft, tmp_path):
+    import logging
+
     from infra.recipe import PreferenceCfg
     from infra.steps import StepOutput
     from tasks.postrain import PreferenceStepCfg, preference
@@ -147,7 +220,20 @@ def test_the_preference_step_generates_its_pairs_with_vllm(vllm_sft, tmp_path):
     chat.write_jsonl(chats / "train.jsonl", chat.generate(40, {"arithmetic": 1.0}, 9, 12))
     inputs = {name: StepOutput(name, name, path, "") for name, path in (("chats", chats), ("policy", vllm_sft))}
     cfg = PreferenceStepCfg(preference=PreferenceCfg(backend="vllm", prompts=40, max_new_tokens=24))
-    stats = preference(cfg, inputs, tmp_path)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("smolflow")  # the step's logger outside a flow run
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        stats = preference(cfg, inputs, tmp_path)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    progress = [line for line in lines if line.startswith("vLLM: 40/40 answers")]
+    assert len(progress) == 2, "each engine reports its progress in the step's log"  # strong, then weak
     pairs = chat.read_jsonl(tmp_path / "pairs.jsonl")
     assert stats["backend"] == "vllm" and stats["prompts"] == 40 and stats["pairs"] == len(pairs) > 0
     assert all(chat.is_correct(p["chosen"][0]["content"], p["answer"]) for p in pairs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -100,7 +101,8 @@ def run_job(job: Path, launcher: LauncherCfg | None = None) -> list[str]:
     code = run_streaming(
         launch_command(launcher, "model.train", [str(job)], port=29400 + random.randrange(500)), launch_env(launcher), lines.append
     )
-    assert code == 0, "\n".join(lines[-30:])
+    errors = [line for line in lines if re.search(r"error|terminate|abort|exception", line, re.I)]
+    assert code == 0, "\n".join(errors[:20] + ["..."] + lines[-30:])
     return lines
 
 

@@ -50,6 +50,9 @@ def test_downstream_reruns_only_when_upstream_content_changes(tmp_path):
     calls: list = []
     up = run_step(tmp_path, step("up", calls, "same", v=1), {})
     down = run_step(tmp_path, step("down", calls, "d", deps={"x": step("up", calls)}), {"x": up})
+    top = run_step(tmp_path, step("top", calls, "t"), {"y": down})
+    assert top.lineage == {"up": up.step_id, "down": down.step_id}, "every upstream step, however far, with the id that built it"
+    assert json.loads((tmp_path / "top" / MANIFEST).read_text())["lineage"] == [["up", up.step_id], ["down", down.step_id]]
     # upstream rebuilt with a new config but identical output: downstream stays cached
     up2 = run_step(tmp_path, step("up", calls, "same", v=2), {})
     assert up2.fingerprint == up.fingerprint

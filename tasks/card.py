@@ -1,0 +1,226 @@
+"""Model cards: the README.md (Hugging Face metadata + what made the model) in every exported model folder,
+and publishing a folder to the hub.
+
+A step writes its card into `final/` before it commits, from what it receives (its config, summary, and the
+manifests of its upstream steps, found through its inputs' lineage), so the card is part of the folder's
+fingerprint like the weights. Evaluation results that arrive later (lm-eval, run after the step) go into the
+copy of the card `smolflow publish` uploads, never into the committed folder: rewriting it would change the
+fingerprint that results and downstream steps are keyed by.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from infra.errors import SmolflowError
+from infra.steps import StepOutput, building_step_id, identity, read_manifest
+
+CARD = "README.md"
+
+LIMITS = (
+    "Trained by smolflow as part of a pipeline run. A model of this size, trained on this little data, is a "
+    "research and teaching artifact: it shows what each stage of the SmolLM3 recipe does, measured on the "
+    "project's own held-out prompts and eval tasks. It has no safety tuning, knows little about the world, "
+    "and should not be used to answer real questions or make decisions."
+)
+
+
+def _parameters(folder: Path) -> int:
+    """Parameter count from the safetensors headers (no weights loaded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                n = 1
+                for dim in f.get_slice(key).get_shape():
+                    n *= dim
+                total += n
+    return total
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def _architecture(folder: Path) -> list[str]:
+    c = json.loads((folder / "config.json").read_text())
+    nope = [i for i, use in enumerate(c.get("no_rope_layers") or []) if not use]
+    rows = [
+        ("architecture", f"{c.get('architectures', ['?'])[0]} (`model_type: {c.get('model_type')}`)"),
+        ("parameters", f"{_parameters(folder):,}"),
+        ("layers / hidden / intermediate", f"{c['num_hidden_layers']} / {c['hidden_size']} / {c['intermediate_size']}"),
+        ("attention heads (key-value heads)", f"{c['num_attention_heads']} ({c.get('num_key_value_heads')})"),
+        ("vocabulary", f"{c['vocab_size']:,}"),
+        ("context", f"{c.get('max_position_embeddings'):,} tokens"),
+        ("RoPE", ", ".join(f"{k} {v}" for k, v in (c.get("rope_parameters") or {"rope_theta": c.get("rope_theta")}).items())),
+        ("layers without RoPE (NoPE)", ", ".join(map(str, nope)) or "none"),
+        ("tied embeddings", str(c.get("tie_word_embeddings"))),
+    ]
+    return ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+
+
+def _history(steps: list[dict[str, Any]]) -> list[str]:
+    """Pretraining phases (tokens, mixture) and post-training steps (trainer, held-out score) in training order."""
+    lines = []
+    phases = [m for m in steps if "train" in m["config"] and "phase" in m["config"]["train"]]
+    if phases:
+        lines += ["Pretraining:", "", "| phase | tokens | sequence length | mixture (share of sequences) | final loss |"]
+        lines.append("|---|---|---|---|---|")
+        for m in phases:
+            t, s = m["config"]["train"], m["summary"]
+            total = sum(t["samples"].values()) or 1
+            mix = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(t["samples"].items()))
+            lines.append(f"| {t['phase']} | {s.get('tokens', 0):,} | {t['seq_len']} | {mix} | {s.get('final_loss', float('nan')):.3f} |")
+        lines += ["", f"Tokens seen in pretraining: {sum(m['summary'].get('tokens', 0) for m in phases):,}.", ""]
+    post = [m for m in steps if isinstance(m["summary"].get("eval"), dict)]
+    if post:
+        lines += ["Post-training (held-out prompts, greedy):", ""]
+        lines.append("| step | trainer settings | held-out accuracy | by family | answer tokens |")
+        lines.append("|---|---|---|---|---|")
+        for m in post:
+            trainer = next((v for k, v in m["config"].items() if isinstance(v, dict) and "max_steps" in v), {})
+            settings = ", ".join(f"{k} {trainer[k]}" for k in ("max_steps", "batch_size", "learning_rate") if k in trainer)
+            e = m["summary"]["eval"]
+            family = ", ".join(f"{k} {v:.0%}" for k, v in e.get("by_family", {}).items())
+            lines.append(f"| {m['name']} | {settings} | {e['accuracy']:.1%} | {family} | {e['mean_answer_tokens']:.1f} |")
+        lines.append("")
+    return lines
+
+
+def _evals(records: Mapping[str, Any]) -> list[str]:
+    if not records:
+        return ["No lm-eval results were recorded for this folder when the card was written (`smolflow publish` adds them)."]
+    lines = ["| task | metric | value | stderr |", "|---|---|---|---|"]
+    for task, r in sorted(records.items()):
+        for metric, value in sorted(r["metrics"].items()):
+            if "stderr" in metric or metric == "chance" or not isinstance(value, int | float):
+                continue
+            stderr = r["metrics"].get(metric.replace("/", "_stderr/") if "/" in metric else f"{metric}_stderr")
+            lines.append(f"| {task} | {metric} | {value:.4f} | {'' if stderr is None else f'{stderr:.4f}'} |")
+    return lines
+
+
+def render(folder: Path, name: str, step_id: str, run_dir: Path, steps: list[dict[str, Any]], evals: Mapping[str, Any]) -> str:
+    """The card of model FOLDER, made by step NAME (STEP_ID) of RUN_DIR; STEPS: the manifests of its lineage and
+    its own (name, step_id, config, summary), upstream first; EVALS: lm-eval results by task."""
+    recipe = run_dir / "recipe.json"
+    recipe_name = json.loads(recipe.read_text()).get("name", "?") if recipe.is_file() else "?"
+    recipe_hash = hashlib.sha256(recipe.read_bytes()).hexdigest()[:12] if recipe.is_file() else "?"
+    front = ["---", "library_name: transformers", "pipeline_tag: text-generation", "license: apache-2.0", "language:", "- en", "tags:"]
+    front += ["- smolflow", "- smollm3", f"- {name}", "---", ""]
+    lines = front + [
+        f"# {recipe_name} / {name}",
+        "",
+        f"A SmolLM3-architecture model from step `{name}` (step id `{step_id}`) of a smolflow run of the recipe `{recipe_name}`.",
+        "",
+        "## Model",
+        "",
+        *_architecture(folder),
+        "",
+        "## Training",
+        "",
+        *_history(steps),
+        "## Evaluation",
+        "",
+        *_evals(evals),
+        "",
+        "## Lineage",
+        "",
+        f"Recipe `{recipe_name}` (`recipe.json` of the run, sha256 `{recipe_hash}`). Every step that led to this model, "
+        "from curation on; a step's id hashes its config and its inputs' fingerprints (rerun the recipe to rebuild it):",
+        "",
+        "| step | step id |",
+        "|---|---|",
+        *[f"| {m['name']} | `{m['step_id']}` |" for m in steps],
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from transformers import pipeline",
+        "",
+        'chat = pipeline("text-generation", model="PATH_OR_REPO_ID")',
+        'print(chat([{"role": "user", "content": "What is 12 + 7?"}], max_new_tokens=32, clean_up_tokenization_spaces=False))',
+        "```",
+        "",
+        "## Intended use and limits",
+        "",
+        LIMITS,
+        "",
+        "## Publish",
+        "",
+        "```bash",
+        f"smolflow publish RUN_DIR {name} REPO_ID   # needs the network and a token (HF_TOKEN or `hf auth login`)",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def lineage_manifests(inputs: Mapping[str, StepOutput]) -> list[dict[str, Any]]:
+    """The manifests of every upstream step of these inputs, upstream first (each from the input's run dir)."""
+    out: dict[str, dict[str, Any]] = {}
+    for upstream in inputs.values():
+        for name, sid in (upstream.lineage | {upstream.name: upstream.step_id}).items():
+            manifest = read_manifest(upstream.path.parent / name)
+            if manifest and manifest["step_id"] == sid:
+                out.setdefault(name, manifest)
+    return list(out.values())
+
+
+def write_card(out: Path, config: BaseModel, summary: dict[str, Any], inputs: Mapping[str, StepOutput]) -> Path:
+    """Inside a build: write `out/final/README.md` for the model the step leaves there."""
+    sid = building_step_id(out)
+    name = out.name.removesuffix(f"-{sid}")  # a store folder is NAME-ID
+    own = {"name": name, "step_id": sid, "config": identity(config), "summary": summary}
+    run_dir = next(iter(inputs.values())).path.parent if inputs else out.parent.parent
+    path = out / "final" / CARD
+    path.write_text(render(out / "final", name, sid, run_dir, [*lineage_manifests(inputs), own], {}))
+    return path
+
+
+def publish_card(run_dir: Path, name: str) -> tuple[Path, str]:
+    """The finished step's model folder and its card with the lm-eval results recorded since (for `smolflow publish`)."""
+    from tasks.evaluation.results import ResultStore, local_fingerprint
+
+    step = run_dir / name
+    manifest = read_manifest(step)
+    if manifest is None or not (step / "final" / "config.json").is_file():
+        found = sorted(p.parent.parent.name for p in run_dir.glob("*/final/config.json") if read_manifest(p.parent.parent))
+        raise SmolflowError(f"{step}: no finished model folder (final/ of a finished step); finished here: {', '.join(found) or 'none'}")
+    folder = step / "final"
+    record = ResultStore(str(run_dir / "evals" / "results")).get(local_fingerprint(folder)) or {}
+    lineage = [m for n, sid in manifest.get("lineage", []) if (m := read_manifest(run_dir / n)) and m["step_id"] == sid]
+    return folder, render(folder, name, manifest["step_id"], run_dir, [*lineage, manifest], record.get("tasks", {}))
+
+
+def publish(folder: Path, card: str, repo_id: str, private: bool) -> str:
+    """Upload FOLDER with CARD as its README.md to the hub in one commit; the URL of the commit."""
+    from huggingface_hub import CommitOperationAdd, HfApi, constants, get_token
+
+    if constants.HF_HUB_OFFLINE:
+        raise SmolflowError(
+            "publishing needs the Hugging Face hub, and HF_HUB_OFFLINE is set (smolflow sets it by default for offline "
+            "machines): run `HF_HUB_OFFLINE=0 smolflow publish ...` on a machine with network access"
+        )
+    if not (get_token() or os.environ.get("HF_TOKEN")):
+        raise SmolflowError("no Hugging Face token: set HF_TOKEN or run `hf auth login`, then publish again")
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+    except OSError as err:  # requests' ConnectionError is an OSError
+        raise SmolflowError(f"cannot reach the hub at {constants.ENDPOINT} to create {repo_id}: {type(err).__name__}") from None
+    # TRL's pickled training arguments stay local: a pickle is code to whoever loads it
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (CARD, "training_args.bin"))
+    ops = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p)) for p in files]
+    ops.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
+    info = api.create_commit(repo_id, ops, commit_message=f"smolflow: {folder.parent.name}")
+    return info.commit_url
