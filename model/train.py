@@ -360,7 +360,9 @@ class Window:
             "lr": lr,
             "grad_norm": float(norm) if norm is not None else math.nan,
             "tokens_per_s": tok_s,
+            "step_s": elapsed / max(self.steps, 1),
             "mfu": tok_s / world * fpt / peak,
+            "peak_flops_per_rank": peak,  # the MFU denominator, so a figure can always be checked
             "eta_s": (cfg.schedule.steps - step) * elapsed / max(self.steps, 1),
         }
 
@@ -427,7 +429,8 @@ def train(job: TrainJob) -> dict[str, Any]:
             tracker.log(metrics)
             say(
                 f"[{cfg.phase}] step {step}/{cfg.schedule.steps} | loss {metrics['loss']:.4f} | lr {lr:.2e} | "
-                f"{metrics['tokens_per_s']:,.0f} tok/s | MFU {metrics['mfu']:.1%} | eta {metrics['eta_s']:.0f}s"
+                f"{metrics['tokens_per_s']:,.0f} tok/s | {metrics['step_s']:.2f} s/step | MFU {metrics['mfu']:.1%} | "
+                f"eta {metrics['eta_s']:.0f}s"
             )
             window = Window()
         stopping = agree(float(preempted.is_set()), torch.distributed.ReduceOp.MAX) > 0

@@ -217,9 +217,11 @@ def test_report_card_from_a_run_dir(tmp_path):
     (stage / "checkpoints" / "step00000005" / "checkpoint.json").write_text(
         json.dumps({"step": 5, "tokens": 1280, "files": {"hf/config.json": 2}})
     )
+    speed = {"mfu": 0.2, "peak_flops_per_rank": 5e10}
     (stage / "metrics.jsonl").write_text(
         "\n".join(
-            json.dumps({"phase": "phase1", "tokens": 256 * s, "loss": 6 - s / 10, "tokens_per_s": 900.0, "mfu": 0.2}) for s in range(1, 6)
+            json.dumps({"phase": "phase1", "tokens": 256 * s, "loss": 6 - s / 10, "tokens_per_s": 900.0, "step_s": 0.3} | speed)
+            for s in range(1, 6)
         )
     )
     (stage / "manifest.json").write_text(
@@ -250,7 +252,7 @@ def test_report_card_from_a_run_dir(tmp_path):
     text = card.path.read_text()
     assert [p.name for p in card.plots] == ["pretrain.png", "evals.png", "postrain.png", "wall_time.png"]
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in card.plots)
-    assert "| phase1 | 5 | 1,280 | 5.500 | 900 | 20.0% |" in text
+    assert "| phase1 | 5 | 1,280 | 5.500 | 900 | 0.30 | 20.0% | 50.0 GFLOP/s |" in text  # MFU with the peak it is against
     # what the eval plots draw: the point with its stderr, the chance line, the end of phase1
     cf = next(r for r in card.eval_rows if r["task"] == "smol_arithmetic_cf")
     assert (cf["value"], cf["stderr"], cf["chance"], cf["tokens"]) == (0.3, 0.04, 0.25, 1280)

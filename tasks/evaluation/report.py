@@ -8,9 +8,11 @@ finished run or one still training, and sections with no data yet say so instead
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from infra.steps import Step, StepOutput, finished
@@ -118,16 +120,19 @@ def _pretraining(run_dir: Path, phases: list[Step], plots_dir: Path, card: Card)
     if not any(per_stage.values()):
         return ["## Pretraining", "", "_no training metrics yet_", ""]
     fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(12, 4))
-    rows = ["| phase | steps logged | tokens (end) | last loss | tokens/s | MFU |", "|---|---|---|---|---|---|"]
+    rows = ["| phase | steps logged | tokens (end) | last loss | tokens/s | s/step | MFU | of peak per rank |", "|---" * 8 + "|"]
     for name, metrics in per_stage.items():
         if not metrics:
             continue
         tokens = [m["tokens"] for m in metrics]
         loss_ax.plot(tokens, [m["loss"] for m in metrics], label=name)
-        speed = sorted(m["tokens_per_s"] for m in metrics)[len(metrics) // 2]
-        mfu = sorted(m["mfu"] for m in metrics)[len(metrics) // 2]
+        keys = ("tokens_per_s", "mfu", "step_s", "peak_flops_per_rank")  # medians: one slow window does not set the figure
+        speed, mfu, step_s, peak = (median([m.get(k, math.nan) for m in metrics]) for k in keys)
         speed_ax.bar(name, speed)
-        rows.append(f"| {name} | {len(metrics)} | {tokens[-1]:,} | {metrics[-1]['loss']:.3f} | {speed:,.0f} | {mfu:.1%} |")
+        rows.append(
+            f"| {name} | {len(metrics)} | {tokens[-1]:,} | {metrics[-1]['loss']:.3f} | {speed:,.0f} | {step_s:.2f} | {mfu:.1%} | "
+            f"{peak / 1e9:,.1f} GFLOP/s |"
+        )
     loss_ax.set(xlabel="tokens", ylabel="training loss", title="Loss per phase")
     loss_ax.legend()
     speed_ax.set(ylabel="tokens/s (median)", title="Throughput per phase")
