@@ -236,7 +236,8 @@ def test_report_card_from_a_run_dir(tmp_path):
         )
     )
     (run / "sft").mkdir()
-    ladder = {"eval_before": {"accuracy": 0.0, "mean_answer_tokens": 40.0}, "eval": {"accuracy": 0.25, "mean_answer_tokens": 20.0}}
+    sft_eval = {"accuracy": 0.25, "mean_answer_tokens": 20.0, "by_family": {"arithmetic": 0.5, "word_problem": 0.0}}
+    ladder = {"eval_before": {"accuracy": 0.0, "mean_answer_tokens": 40.0}, "eval": sft_eval}
     (run / "sft" / "manifest.json").write_text(
         json.dumps({"name": "sft", "step_id": "y", "fingerprint": "g", "seconds": 30.0, "summary": ladder})
     )
@@ -258,7 +259,8 @@ def test_report_card_from_a_run_dir(tmp_path):
     assert (cf["value"], cf["stderr"], cf["chance"], cf["tokens"]) == (0.3, 0.04, 0.25, 1280)
     assert phase_ends([finished(run, "pretrain_phase1")]) == [("phase1", 1280)]
     assert "| phase1/step00000005 | 0.300 | 2.500 |" in text
-    assert "| sft | 25.0% |  | 20.0 |" in text and "**2 of 17 steps finished** (pretrain_phase1, sft)" in text
+    assert "| sft | 25.0% | arithmetic 50.0%, word_problem 0.0% |  | 20.0 |" in text  # per family, as the card shows it
+    assert "**2 of 17 steps finished** (pretrain_phase1, sft)" in text
     assert "## Curation" in text and "_not run yet_" in text  # sections without data say so
 
 

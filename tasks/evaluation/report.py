@@ -227,8 +227,10 @@ def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir:
     len_ax.bar(names, [e["mean_answer_tokens"] for _, e in rungs])
     len_ax.set(title="Mean answer length (tokens)")
     path = _save(fig, plots_dir / "postrain.png", card)
-    rows = ["| model | held-out accuracy | lm-eval math | mean answer tokens |", "|---|---|---|---|"]
-    rows += [f"| {n} | {e['accuracy']:.1%} | {f'{gen[n]:.1%}' if n in gen else ''} | {e['mean_answer_tokens']:.1f} |" for n, e in rungs]
+    rows = ["| model | held-out accuracy | by family | lm-eval math | mean answer tokens |", "|---|---|---|---|---|"]
+    for n, e in rungs:
+        family = ", ".join(f"{k} {v:.1%}" for k, v in e.get("by_family", {}).items())
+        rows.append(f"| {n} | {e['accuracy']:.1%} | {family} | {f'{gen[n]:.1%}' if n in gen else ''} | {e['mean_answer_tokens']:.1f} |")
     return ["## Post-training ladder", "", f"![ladder]({path.relative_to(card.path.parent)})", "", *rows, ""]
 
 
