@@ -24,6 +24,9 @@ from typing import Any
 import psutil
 
 PREEMPTED = 75  # a trainer's exit after a checkpoint forced by SIGTERM/SIGUSR1 (EX_TEMPFAIL): the task retries, it resumes
+# ... and the file rank 0 leaves in the step folder beside that exit: the first rank to exit with PREEMPTED makes srun
+# kill the others, and srun then reports their signal, not PREEMPTED; the Slurm script requeues on either
+PREEMPTED_MARK = "preempted"
 
 OWNER_ENV = "SMOLFLOW_OWNER"  # "PID:START" of the task process that owns a launched tree
 HOST = socket.gethostname()

@@ -3,7 +3,7 @@
 srun starts every rank itself (RANK, WORLD_SIZE, LOCAL_RANK from Slurm's task ids), with no torchrun
 agent in between, so Slurm's signals reach the ranks: USR1 `signal_s` before the time limit and
 SIGTERM on preemption or `scontrol requeue` both make the trainer checkpoint and exit with
-PREEMPTED (model/train.py). The job is `--requeue`able; on PREEMPTED the script requeues it itself,
+PREEMPTED (model/train.py). The job is `--requeue`able; on PREEMPTED (or its mark) the script requeues it itself,
 and a requeued job resumes from its newest complete checkpoint. Output is appended to one file per
 job, which the task streams into its log while it polls the job's state.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.errors import SmolflowError
-from infra.procs import PREEMPTED
+from infra.procs import PREEMPTED, PREEMPTED_MARK
 from infra.recipe import LauncherCfg
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
@@ -49,8 +49,9 @@ echo "smolflow: job $SLURM_JOB_ID start ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JO
 srun --kill-on-bad-exit=1 bash -c 'trap "" USR1; RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID \\
   exec {python} -m {module} {args}'
 code=$?
-if [ "$code" -eq {preempted} ]; then
-  echo "smolflow: the ranks checkpointed on a signal; requeueing job $SLURM_JOB_ID"
+if [ "$code" -eq {preempted} ] || [ -e {mark} ]; then  # the mark: srun may report the kill of a rank that exited later
+  rm -f {mark}
+  echo "smolflow: the ranks checkpointed on a signal ($code); requeueing job $SLURM_JOB_ID"
   scontrol requeue "$SLURM_JOB_ID"
 fi
 exit "$code"
@@ -62,7 +63,8 @@ def job_name(out: Path) -> str:
     return f"smolflow-{out.name}-{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:8]}"
 
 
-def batch_script(cfg: LauncherCfg, name: str, log: Path, module: str, args: list[str]) -> str:
+def batch_script(cfg: LauncherCfg, name: str, log: Path, module: str, args: list[str], out: Path) -> str:
+    """The job of a trainer whose step folder is OUT (where its ranks leave PREEMPTED_MARK)."""
     slurm = cfg.slurm
     extra = [f"#SBATCH --gpus-per-node={slurm.gpus_per_node}"] if slurm.gpus_per_node else []
     extra += [f"#SBATCH --{key}={value}" if value else f"#SBATCH --{key}" for key, value in slurm.sbatch_args.items()]
@@ -81,6 +83,7 @@ def batch_script(cfg: LauncherCfg, name: str, log: Path, module: str, args: list
         module=module,
         args=" ".join(shlex.quote(a) for a in args),
         preempted=PREEMPTED,
+        mark=shlex.quote(str(out / PREEMPTED_MARK)),
     )
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
-from infra.procs import PREEMPTED, die_with_parent, watch_owner
+from infra.procs import PREEMPTED, PREEMPTED_MARK, die_with_parent, watch_owner
 from infra.recipe import CheckpointCfg, ModelCfg, S3Cfg, SpikeCfg, Strict, operational
 from infra.storage import Mirror
 from model.checkpoint import MARKER, CheckpointStore, DiskFull, MirrorBehind, tag_for, verify, weights_only_engine
@@ -450,6 +450,7 @@ def train(job: TrainJob) -> dict[str, Any]:
             say(f"{cfg.phase}: {preempted.why}: checkpoint {tag_for(step)} saved; exiting for a retry to resume from it")
             if rank == 0:
                 store.close()
+                (Path(job.out_dir) / PREEMPTED_MARK).write_text(f"{tag_for(step)}: {preempted.why}\n")
             sys.exit(PREEMPTED)
     return finish(job, engine, store, tokenizer, tracker, rank, step, guard, saves, dropped_steps)
 
@@ -462,6 +463,7 @@ def restore_point(job: TrainJob, rank: int, world: int):
     store = CheckpointStore(Path(job.checkpoint_dir), cfg.checkpoint.keep_last, mirror, job.remote_name, cfg.hold_unevaluated)
     if rank == 0:
         store.clear_staging()
+        (Path(job.out_dir) / PREEMPTED_MARK).unlink(missing_ok=True)  # an earlier run's: this one has not been signalled
     init_tag = None
     if job.init_from is not None and not cfg.long_context:  # the previous main phase's newest checkpoint
         previous = CheckpointStore(Path(job.init_from), cfg.checkpoint.keep_last, mirror, remote_name=job.init_remote or "")

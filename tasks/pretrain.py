@@ -190,7 +190,7 @@ def run_slurm_job(
     job = slurm.find(name)
     if job is None:
         script = out / "job.sbatch"
-        script.write_text(slurm.batch_script(launcher, name, job_log, "model.train", [str(job_path)]))
+        script.write_text(slurm.batch_script(launcher, name, job_log, "model.train", [str(job_path)], out))
         job = slurm.submit(script, {k: v for k, v in env.items() if k != OWNER_ENV})  # the job outlives this task
         log.info("pretrain %s: submitted Slurm job %s (%s)", phase, job, script)
     else:

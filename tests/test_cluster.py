@@ -271,6 +271,33 @@ def test_a_job_warned_of_its_time_limit_checkpoints_requeues_itself_and_resumes(
     same_losses(losses(tmp_path / "phase"), torchrun_reference)
 
 
+def test_a_job_requeues_when_srun_reports_the_kill_of_a_slower_rank_not_preempted(slurm, tmp_path):
+    """The first rank to exit PREEMPTED makes srun kill the others (`--kill-on-bad-exit`), and srun then exits with
+    their signal (143), not PREEMPTED: the rank-0 mark left beside the checkpoint still requeues the job. A stand-in
+    for the trainer (the race made certain: rank 1 is still busy when rank 0 exits), on the real cluster."""
+    from infra import slurm as jobs
+    from infra.procs import PREEMPTED, PREEMPTED_MARK
+
+    out = tmp_path / "phase"
+    out.mkdir()
+    (tmp_path / "stand_in.py").write_text(
+        "import os, sys, time\n"
+        "if os.environ.get('SLURM_RESTART_COUNT', '0') != '0':\n"
+        "    print(f'rank {os.environ[\"RANK\"]}: resumed', flush=True); sys.exit(0)\n"
+        "if os.environ['RANK'] == '0':\n"
+        f"    open({str(out / PREEMPTED_MARK)!r}, 'w').write('step00000001: test'); sys.exit({PREEMPTED})\n"
+        "time.sleep(120)\n"
+    )
+    script = out / "job.sbatch"
+    script.write_text(jobs.batch_script(slurm_launcher(), jobs.job_name(out), out / "slurm.log", "stand_in", [], out))
+    job = jobs.submit(script, {**launch_env(slurm_launcher()), "PYTHONPATH": str(tmp_path)})
+    lines: list[str] = []
+    end = jobs.follow(job, out / "slurm.log", lines.append)
+    assert end.name == "COMPLETED", "\n".join(lines)
+    assert any("requeueing job" in line and f"({PREEMPTED})" not in line for line in lines), "\n".join(lines)  # srun said otherwise
+    assert sum("resumed" in line for line in lines) == 2 and not (out / PREEMPTED_MARK).exists()
+
+
 # --- the deployed pipeline on both engines --------------------------------------------------------
 
 

@@ -101,6 +101,10 @@ def test_exact_and_near_duplicates_are_removed(planted):
         assert len({f"u{10 + i}", f"near{i}"} & kept) == 1
     assert len(kept & (uniques | dups)) == 40
     assert planted["dedup"]["removed"] == {"exact": 6, "minhash": 8}
+    stages = ["exact-signatures", "exact-find", "exact-filter"]
+    stages += ["minhash-signatures", "minhash-buckets", "minhash-cluster", "minhash-filter"]
+    assert list(planted["dedup"]["seconds"]) == stages  # each stage timed, in the order it ran
+    assert all(s > 0 for s in planted["dedup"]["seconds"].values())
 
 
 def test_planted_eval_items_are_removed(planted):

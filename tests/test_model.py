@@ -208,7 +208,7 @@ def test_slurm_batch_script_of_the_3b_recipe_requeues_and_starts_every_rank(tmp_
     from infra.slurm import batch_script
 
     launcher = load_recipe(REPO / "configs" / "smollm3-3b.yaml").pretrain.launcher
-    script = batch_script(launcher, "smolflow-stage1", tmp_path / "job.log", "model.train", [str(tmp_path / "job.json")])
+    script = batch_script(launcher, "smolflow-stage1", tmp_path / "job.log", "model.train", [str(tmp_path / "job.json")], tmp_path)
     for directive in ("--requeue", "--nodes=48", "--ntasks-per-node=8", "--gpus-per-node=8", "--signal=USR1@600", "--exclusive"):
         assert f"#SBATCH {directive}\n" in script, directive
     launch = script[script.index("\nsrun ") : script.index("\ncode=$?")]

@@ -97,6 +97,8 @@ def curation_report(
     out += [f"{dedup['docs_in']:,} documents in.", "", _table(["stage", "removed", "rate"], rows), ""]
     for k in dedup["removed"]:
         out += [f"- {k}: {ex}" for ex in examples(deduped.path / "removed" / k, examples_per_filter)]
+    if dedup.get("seconds"):  # older runs' summaries lack it
+        out += ["", "Wall time per datatrove stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in dedup["seconds"].items()) + "."]
     out.append("")
 
     out += ["## Decontamination", ""]
