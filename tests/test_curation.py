@@ -197,3 +197,21 @@ def test_executor_construction_for_clusters(tmp_path):
     recipe = parse_recipe(micro_recipe(executor={"kind": "ray", "tasks": 16, "workers": 4}), "m")
     ray = pipelines.make_executor(recipe.executor, [], tmp_path / "ray-logs", 16, "dedup")
     assert isinstance(ray, RayPipelineExecutor) and ray.tasks == 16 and ray.workers == 4
+
+
+def test_minhash_signatures_hash_the_same_shingles_as_datatrove():
+    """The faster signature step (no diacritics pass on ASCII text) must find exactly datatrove's shingles."""
+    import numpy as np
+    from datatrove.pipeline.dedup import MinhashDedupSignature
+    from datatrove.pipeline.dedup.minhash import MinhashConfig
+    from datatrove.utils.text import TextNormConfig
+
+    from tasks.curation.words import SPLIT_WORDS
+
+    cfg = MinhashConfig(n_grams=5, norm_config=TextNormConfig(norm_numbers=False))
+    theirs, ours = (cls("unused", config=cfg, language=SPLIT_WORDS) for cls in (MinhashDedupSignature, pipelines.Signatures))
+    texts = ["Plain ASCII, with punctuation; and 42 numbers in it (here).", "Déjà vu: a naïve café résumé — with accents, ñ and ü."]
+    texts += ["one two", (REPO / "README.md").read_text()[:5000]]
+    for text in texts:
+        assert np.array_equal(theirs.get_shingles(text), ours.get_shingles(text)), text[:40]
+    assert len(ours.get_shingles(texts[1])) > 0 and len(ours.get_shingles(texts[2])) == 0

@@ -104,6 +104,14 @@ def flow_run_processes(server: Server) -> list[psutil.Process]:
     return psutil.Process(server.pid("worker")).children(recursive=True)
 
 
+def command_of(process: psutil.Process) -> str:
+    """Its command line, or "" once it has exited (checkpoint evaluations come and go while a test looks)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def test_the_server_refuses_requests_without_its_auth_string(server):
     with pytest.raises(urllib.error.HTTPError, match="401"):
         api(server, "/deployments/filter", {}, auth=False)
@@ -179,7 +187,7 @@ def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_e
         assert time.time() < deadline, "pretraining never wrote a checkpoint"
         time.sleep(0.5)
     flow_process = psutil.Process(server.pid("worker")).children()
-    trainers = [p for p in flow_run_processes(server) if "model.train" in " ".join(p.cmdline())]
+    trainers = [p for p in flow_run_processes(server) if "model.train" in command_of(p)]
     assert len(flow_process) == 1 and trainers, "a flow run process with its trainer under the worker"
     flow_process[0].kill()
     _, alive = psutil.wait_procs(trainers, timeout=20)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -359,6 +360,20 @@ def _text_of(doc) -> str:
     return doc.text
 
 
+class Signatures(MinhashDedupSignature):
+    """datatrove's MinHash signatures, the same shingles found faster: its text simplification strips diacritics
+    one character at a time in Python (a third of the stage's time), a no-op on ASCII text, skipped there."""
+
+    def get_shingles(self, text: str) -> np.ndarray:
+        norm = self.config.norm_config
+        if norm.norm_unicode_diacritics and text.isascii():
+            norm = replace(norm, norm_unicode_diacritics=False)
+        words = self.word_tokenizer.word_tokenize(simplify_text(text, norm))
+        n = self.config.n_grams
+        grams = (" ".join(words[i : i + n]) for i in range(len(words) - n + 1))
+        return np.fromiter((self._hash_func(g) for g in grams), dtype=np.uint64).reshape((-1, 1))
+
+
 def dedup(cfg: DedupCfg, ex: ExecutorCfg, filtered: Path, out: Path) -> dict[str, Any]:
     """Exact dedup, then MinHash near-dedup (datatrove's four stages), across all sources.
 
@@ -405,7 +420,7 @@ def dedup(cfg: DedupCfg, ex: ExecutorCfg, filtered: Path, out: Path) -> dict[str
             "minhash-signatures",
             shards(),
             _reader(current, DOC_FILES),
-            MinhashDedupSignature(str(work / "mh_sigs"), config=mh_cfg, language=SPLIT_WORDS),
+            Signatures(str(work / "mh_sigs"), config=mh_cfg, language=SPLIT_WORDS),
         )
         stage("minhash-buckets", mh.buckets, MinhashDedupBuckets(str(work / "mh_sigs"), str(work / "mh_buckets"), config=mh_cfg))
         stage("minhash-cluster", 1, MinhashDedupCluster(str(work / "mh_buckets"), str(work / "mh_clusters"), config=mh_cfg))
