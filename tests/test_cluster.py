@@ -79,7 +79,8 @@ def curate_and_compare(ex, local, tmp_path):
     for name in steps:
         kept = sorted(read_ids(local["steps"][name] / "data"))
         assert kept and sorted(read_ids(steps[name] / "data")) == kept, f"{name}: {ex.kind} kept other documents than local"
-    assert (dedup, decont) == (local["dedup"], local["decont"])
+    untimed = {k: v for k, v in local["dedup"].items() if k != "seconds"}  # stage wall times differ by engine
+    assert ({k: v for k, v in dedup.items() if k != "seconds"}, decont) == (untimed, local["decont"])
     return steps
 
 
