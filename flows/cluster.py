@@ -202,6 +202,11 @@ class Ray:
         return subprocess.run([str(ray), *args], env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
     def up(self) -> bool:
+        """A closed port answers at once; `ray status` alone waits ~45 s for a GCS that is not there."""
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=5).close()
+        except OSError:
+            return False
         proc = self._ray("status", f"--address={self.address}", timeout=60)
         return proc.returncode == 0
 

@@ -83,11 +83,12 @@ def wait_final(server: Server, run_id: str, timeout_s: float = 1500) -> dict:
     pytest.fail(f"flow run {run_id} did not finish in {timeout_s:.0f} s")
 
 
-def trainer_processes() -> list[psutil.Process]:
-    found = []
+def trainer_processes(run_dir: Path) -> list[psutil.Process]:
+    """Trainers of this run only (their job file lies in it): other test files may train beside it (pytest-xdist)."""
+    found, roots = [], (str(run_dir), str(run_dir.resolve()))
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "model.train" in cmd and "infra.procs" not in cmd:
+        if "model.train" in cmd and "infra.procs" not in cmd and any(arg.startswith(roots) for arg in cmd):
             found.append(p)
     return found
 
@@ -195,7 +196,7 @@ def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_e
 
     most, deadline = 0, time.time() + 1500
     while time.time() < deadline:
-        most = max(most, len(trainer_processes()))
+        most = max(most, len(trainer_processes(run_dir)))
         try:
             if api(server, f"/flow_runs/{run_id}")["state_type"] in ("COMPLETED", "FAILED", "CANCELLED"):
                 break
