@@ -14,7 +14,7 @@ from model.checkpoint import MARKER, CheckpointStore, is_complete
 from model.data import IGNORE, MixtureBatches, TokenSource, sample_order
 from model.network import build_model, count_params, long_context_config, model_config, with_yarn
 from model.plan import gpus_needed, plan
-from model.train import Schedule
+from model.train import Schedule, _LMLoss, lm_loss
 from tasks.pretrain import train_configs
 from tests.helpers import REPO, micro_recipe
 
@@ -99,6 +99,30 @@ def test_batches_are_a_pure_function_of_the_step_and_follow_the_mixture(tmp_path
         one = torch.cat([mb["input_ids"] for mb in MixtureBatches(sources, order, 16, 4, 8).micro_batches(step, 0, 1)])
         two = torch.cat([mb["input_ids"] for r in range(2) for mb in batches.micro_batches(step, r, 2)])
         assert torch.equal(one, two)
+
+
+def test_lm_loss_equals_cross_entropy_plus_z_loss_in_value_and_gradient():
+    """The fused loss must train exactly what the textbook one does: shifted targets, -100 ignored."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 17, 50) * 4
+    labels = torch.randint(0, 50, (3, 17))
+    labels[0, :6] = IGNORE  # a prompt that is not trained on
+    labels[2, 9:] = IGNORE  # and padding
+    for z_loss in (0.0, 1e-4, 0.5):
+        ours, theirs = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        total, ce = lm_loss(ours, labels, z_loss)
+        (2.5 * total).backward()
+        shifted, targets = theirs[:, :-1], labels[:, 1:]
+        ce_ref = torch.nn.functional.cross_entropy(shifted.reshape(-1, 50), targets.reshape(-1), ignore_index=IGNORE)
+        total_ref = ce_ref + z_loss * (torch.logsumexp(shifted, -1)[targets != IGNORE] ** 2).mean()
+        (2.5 * total_ref).backward()
+        torch.testing.assert_close(total, total_ref.detach())
+        torch.testing.assert_close(ce, ce_ref.detach())
+        torch.testing.assert_close(ours.grad, theirs.grad)
+        assert (ours.grad[:, -1] == 0).all() and (ours.grad[0, :5] == 0).all()  # no target, no gradient
+    small = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)  # the hand-written backward, numerically
+    targets = torch.where(labels[:2, :5] == IGNORE, IGNORE, labels[:2, :5] % 7)
+    assert torch.autograd.gradcheck(lambda t: _LMLoss.apply(t, targets, 0.3)[0], (small,))
 
 
 def test_warmup_stable_decay_schedule():

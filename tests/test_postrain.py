@@ -53,6 +53,43 @@ def test_sft_batches_train_assistant_tokens_only(base, tmp_path):
         assert "You are terse." in untrained and row["messages"][1]["content"] in untrained
 
 
+def test_on_cpu_the_fused_lm_head_scores_only_labelled_tokens_with_the_same_loss_and_gradient(base, tmp_path, monkeypatch):
+    import torch
+    import trl.trainer.utils as trl_utils
+
+    from postrain.common import score_labelled_tokens_only
+    from postrain.sft import build_trainer
+
+    monkeypatch.setattr(trl_utils, "_use_triton", trl_utils._use_triton)  # undone after the test
+    scored, fused = [], trl_utils._ChunkedLogProbFunction
+
+    class Counting(fused):  # how many positions each loss projects through the LM head
+        @staticmethod
+        def forward(ctx, hidden, *args):
+            scored.append(hidden.shape[0])
+            return fused.forward(ctx, hidden, *args)
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Counting)
+    rows = chat.generate(8, chat_families(), 49, 1)
+    cfg = SFTCfg(learning_rate=1e-3, max_steps=1, batch_size=8, weak_checkpoint_step=1)
+    trainer = build_trainer(str(base), rows, cfg, tmp_path, seed=0)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+
+    def loss_and_grad():
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+        loss.backward()
+        return loss.detach(), trainer.model.get_output_embeddings().weight.grad.clone()
+
+    every_loss, every_grad = loss_and_grad()
+    score_labelled_tokens_only()
+    labelled_loss, labelled_grad = loss_and_grad()
+    labelled = int((batch["labels"][:, 1:] != -100).sum())
+    assert scored == [batch["labels"][:, 1:].numel(), labelled] and labelled < scored[0] / 2  # answers are the minority
+    torch.testing.assert_close(labelled_loss, every_loss)
+    torch.testing.assert_close(labelled_grad, every_grad)
+
+
 def test_answers_are_extracted_and_verified():
     assert chat.extract_answer("12 + 5 = 17. The answer is 17.") == "17"
     assert chat.extract_answer("'cat' backwards is 'tac'. The answer is tac.") == "tac"
