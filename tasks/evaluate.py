@@ -7,6 +7,7 @@ Which steps hold checkpoints and finished models comes from the step graph (`Ste
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +37,15 @@ class Models:
         return f"{str(root).rstrip('/')}/{self.heldout.name}/{HELDOUT}"
 
 
-def evaluator(recipe: Recipe, run_dir: Path, heldout: Path, mirror: Mirror | None, store: ResultStore | None = None) -> Evaluator:
+def evaluator(
+    recipe: Recipe, run_dir: Path, heldout: Path, mirror: Mirror | None, store: ResultStore | None = None, alone: bool = False
+) -> Evaluator:
+    """`alone`: nothing else of the run is running (a stage's own evals), so its child takes every core."""
     cfg = recipe.evaluation
     include = prepare_tasks(cfg.task_dirs, heldout, run_dir / "evals" / "tasks")
     store = store or ResultStore(str(run_dir / "evals" / "results"))
-    return Evaluator(cfg, store, include, run_dir / "evals" / "work", run_logger(), mirror, recipe.storage.s3)
+    threads = os.cpu_count() if alone else None
+    return Evaluator(cfg, store, include, run_dir / "evals" / "work", run_logger(), mirror, recipe.storage.s3, threads)
 
 
 def following(recipe: Recipe) -> bool:
@@ -75,14 +80,16 @@ def follow_checkpoints(run: Run, models: Models, stop: threading.Event) -> dict:
 def evaluate_model(run: Run, models: Models, step: Step, output: StepOutput) -> dict:
     """Score a finished model (a post-training step's `final/`) right after its step."""
     found = [m for m in models_in_run(run.run_dir, [step]) if m.kind == "model"]
-    return _finish(evaluator(run.recipe, run.run_dir, Path(models.heldout_dir(run.run_dir)), run.mirror).run(found), f"eval {output.name}")
+    ev = evaluator(run.recipe, run.run_dir, Path(models.heldout_dir(run.run_dir)), run.mirror, alone=True)
+    return _finish(ev.run(found), f"eval {output.name}")
 
 
 @stage_task("eval-run")
 def evaluate_run(run: Run, models: Models) -> dict:
     """Score every checkpoint and model of the run that has no results yet."""
     found = models_in_run(run.run_dir, models.steps)
-    return _finish(evaluator(run.recipe, run.run_dir, Path(models.heldout_dir(run.run_dir)), run.mirror).run(found), "eval run")
+    ev = evaluator(run.recipe, run.run_dir, Path(models.heldout_dir(run.run_dir)), run.mirror, alone=True)
+    return _finish(ev.run(found), "eval run")
 
 
 @stage_task("eval-scan")

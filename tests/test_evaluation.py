@@ -106,14 +106,29 @@ def test_generative_scores_are_the_same_with_the_vllm_and_the_transformers_backe
     assert scores["vllm"] == scores["hf"] and scores["hf"]["smol_arithmetic_gen"] > 0, scores
 
 
-def test_a_failing_evaluation_is_reported_not_dropped(tmp_path, heldout):
-    cfg = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=2)
+def test_models_pending_at_once_are_scored_in_one_child_and_a_failing_one_is_reported_not_dropped(tmp_path, heldout, monkeypatch):
+    import tasks.evaluation.runner as runner
+
+    children = []
+    real = runner.evaluate_in_child
+    monkeypatch.setattr(runner, "evaluate_in_child", lambda jobs, *args: children.append(jobs) or real(jobs, *args))
+    cfg = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], model_tasks=["smol_arithmetic_gen"], limit=2)
     ev = evaluator(tmp_path, heldout, cfg)
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{}")
-    summary = ev.run([ModelRef(str(broken), local_fingerprint(broken), "phase1/step00000005", "checkpoint", "phase1", 5, 1280)])
-    assert list(summary.failed) == ["phase1/step00000005"] and "failed (exit" in summary.failed["phase1/step00000005"]
+    good = save_micro_model(tmp_path / "good", seed=3)
+    summary = ev.run(
+        [
+            ModelRef(str(broken), local_fingerprint(broken), "phase1/step00000005", "checkpoint", "phase1", 5, 1280),
+            ModelRef(str(good), local_fingerprint(good), "sft", "model", "sft"),
+        ]
+    )
+    # one child for the checkpoint's tasks and the finished model's base and chat tasks
+    assert [len(jobs) for jobs in children] == [3]
+    assert list(summary.failed) == ["phase1/step00000005"] and str(broken) in summary.failed["phase1/step00000005"]
+    assert summary.evaluated == ["sft"]
+    assert set(ev.store.get(local_fingerprint(good))["tasks"]) == {"smol_arithmetic_cf", "smol_arithmetic_gen"}
     assert ev.store.get(local_fingerprint(broken)) is None
 
 

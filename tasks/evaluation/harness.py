@@ -5,9 +5,11 @@ run offline. Their data paths are placeholders (`${TASK_DIR}`, `${HELDOUT}`) res
 `RUN/evals/tasks/`. lm-eval is handed a TaskManager over those folders only: indexing its ~14k
 built-in tasks costs ~35 s per call, paid only when a recipe asks for them (`include_defaults`).
 
-Each evaluation runs as `python -m tasks.evaluation.harness ...` at a lower CPU priority with one
+Evaluations run as `python -m tasks.evaluation.harness ...` at a lower CPU priority with one
 thread, so evaluating checkpoints while the trainer runs slows training as little as possible
-and a crash in lm-eval never takes the flow down with it.
+and a crash in lm-eval never takes the flow down with it. One child takes a batch of jobs (the
+checkpoints pending at once, a finished model's base and chat tasks): its ~8 s of imports are paid
+once per batch, not once per model.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import os
 import re
 import subprocess
 import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -157,40 +162,67 @@ def _plain(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def evaluate_in_child(
-    model_dir: Path, tasks: list[str], include: Path, cfg: EvalCfg, chat: bool, out: Path, log
-) -> dict[str, dict[str, float]]:
-    """Run the evaluation in a niced child process; returns its metrics or raises EvalFailed."""
-    command = [sys.executable, "-m", "tasks.evaluation.harness", str(model_dir), str(include), str(out), "--config", cfg.model_dump_json()]
-    command += ["--tasks", *tasks] + (["--chat"] if chat else [])
+@dataclass(frozen=True)
+class EvalJob:
+    """One model folder scored on some tasks, with or without its chat template; the metrics go to `out`."""
+
+    model: str
+    tasks: list[str]
+    chat: bool
+    out: str
+
+
+def evaluate_in_child(jobs: list[EvalJob], include: Path, cfg: EvalCfg) -> list[dict[str, Any]]:
+    """Run the jobs in one niced child process; per job, {"metrics", "seconds"} or {"error"} (a job that
+    fails leaves the others scored; a child that dies fails the jobs it had not finished)."""
+    outs = [Path(job.out) for job in jobs]
+    for out in outs:
+        out.unlink(missing_ok=True)
+    spec = outs[0].with_name(f"{outs[0].stem}.jobs.json")
+    spec.write_text(json.dumps([asdict(job) for job in jobs]))
+    command = [sys.executable, "-m", "tasks.evaluation.harness", str(spec), str(include), "--config", cfg.model_dump_json()]
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "TOKENIZERS_PARALLELISM": "false"}
+    models = ", ".join(sorted({job.model for job in jobs}))
+    died = None
     try:  # niced by `nice(1)`: a preexec_fn is unsafe in a threaded process (the follower runs beside the trainer)
         niced = ["nice", "-n", str(cfg.nice), *command]
         proc = subprocess.run(niced, env=env, capture_output=True, text=True, timeout=cfg.timeout_minutes * 60)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            died = f"evaluating {models} failed (exit {proc.returncode}):\n{tail}"
     except subprocess.TimeoutExpired:
-        raise EvalFailed(f"evaluating {model_dir} took over {cfg.timeout_minutes:g} min (evaluation.timeout_minutes): killed") from None
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise EvalFailed(f"evaluating {model_dir} failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(out.read_text())
+        died = f"evaluating {models} took over {cfg.timeout_minutes:g} min (evaluation.timeout_minutes): killed"
+    missing = {"error": died or "the evaluation child wrote no results"}
+    return [json.loads(out.read_text()) if out.is_file() else missing for out in outs]
+
+
+def run_jobs(jobs: list[EvalJob], include: Path, cfg: EvalCfg) -> None:
+    """The child's loop: each job's metrics (or its error, with the traceback's tail) written to its `out`."""
+    for job in jobs:
+        started = time.time()
+        try:
+            done = {"metrics": run_tasks(Path(job.model), job.tasks, include, cfg, job.chat)}
+        except Exception as err:  # noqa: BLE001 -- reported per job; the next job still runs
+            tail = "\n".join(traceback.format_exc().strip().splitlines()[-8:])
+            done = {"error": f"evaluating {job.model} failed ({type(err).__name__}):\n{tail}"}
+        done["seconds"] = round(time.time() - started, 2)
+        out = Path(job.out)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(done, indent=2))
+        os.replace(tmp, out)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Evaluate one HF model folder with lm-eval (started by smolflow).")
-    parser.add_argument("model", type=Path, help="HF model folder (config, safetensors, tokenizer)")
+    parser = argparse.ArgumentParser(description="Evaluate HF model folders with lm-eval (started by smolflow).")
+    parser.add_argument("jobs", type=Path, help="JSON list of jobs: {model: HF folder, tasks: [...], chat: bool, out: JSON file}")
     parser.add_argument("include", type=Path, help="folder of resolved lm-eval task YAMLs")
-    parser.add_argument("out", type=Path, help="JSON file the metrics are written to")
     parser.add_argument("--config", required=True, help="the recipe's evaluation section, as JSON")
-    parser.add_argument("--tasks", nargs="+", required=True)
-    parser.add_argument("--chat", action="store_true", help="apply the model's chat template (post-trained models)")
     args = parser.parse_args()
     import logging
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    metrics = run_tasks(args.model, args.tasks, args.include, EvalCfg.model_validate_json(args.config), args.chat)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    tmp.write_text(json.dumps(metrics, indent=2))
-    os.replace(tmp, args.out)
+    jobs = [EvalJob(**job) for job in json.loads(args.jobs.read_text())]
+    run_jobs(jobs, args.include, EvalCfg.model_validate_json(args.config))
 
 
 if __name__ == "__main__":

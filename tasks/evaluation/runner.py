@@ -13,13 +13,14 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.recipe import EvalCfg, S3Cfg
 from infra.storage import Mirror, download_folder
 from model.checkpoint import mark_evaluated
-from tasks.evaluation.harness import EvalFailed, evaluate_in_child, tasks_without_data
+from tasks.evaluation.harness import EvalFailed, EvalJob, evaluate_in_child, tasks_without_data
 from tasks.evaluation.results import ModelRef, ResultStore, eval_key, main_metric
 
 
@@ -48,8 +49,11 @@ class Evaluator:
         log: logging.Logger | logging.LoggerAdapter,
         mirror: Mirror | None = None,
         s3: S3Cfg | None = None,
+        threads: int | None = None,
     ):
-        self.cfg, self.store, self.include, self.work_dir, self.log = cfg, store, include, Path(work_dir), log
+        """`threads` overrides `cfg.threads` (the count beside a trainer) where nothing else runs: a stage's own evals."""
+        self.cfg = cfg.model_copy(update={"threads": threads}) if threads else cfg
+        self.store, self.include, self.work_dir, self.log = store, include, Path(work_dir), log
         self.mirror, self.s3, self.key = mirror, s3, eval_key(cfg)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.no_data = tasks_without_data(include, cfg.checkpoint_tasks + cfg.model_tasks)
@@ -62,43 +66,62 @@ class Evaluator:
         groups = [([t for t in tasks if t not in self.no_data], chat) for tasks, chat in groups]
         return [(pending, chat) for tasks, chat in groups if (pending := self.store.pending(model, tasks, self.key))]
 
-    def evaluate(self, model: ModelRef, summary: EvalSummary) -> bool:
-        """Score `model` on its pending tasks; False when it failed (or moved away mid-evaluation)."""
-        groups = self.task_groups(model)
-        if not groups:
-            summary.cached.append(model.label)
-            return True
-        with self.store.claim(model.fingerprint) as owned:
-            if not owned:
-                self.log.info("eval %s: another run is evaluating it, skipping", model.label)
-                summary.busy.append(model.label)
-                return True
-            started = time.time()
-            try:
-                folder = self._local_copy(model)
-                for tasks, chat in groups:
-                    out = self.work_dir / f"{model.fingerprint}-{'chat' if chat else 'base'}.json"
-                    metrics = evaluate_in_child(Path(folder), tasks, self.include, self.cfg, chat, out, self.log)
-                    record = self.store.put(model, metrics, self.key, self.cfg.limit, time.time() - started)
-            except (EvalFailed, OSError) as err:
-                if "://" not in model.path and not Path(model.path).exists():
-                    # its step was committed (renamed) or the checkpoint pruned: the next scan finds it where it is now
-                    self.log.info("eval %s: moved while being evaluated; it is picked up at its new place", model.label)
-                    return False
-                self.log.warning("eval %s failed: %s", model.label, err)
-                summary.failed[model.label] = str(err)
-                return False
+    def evaluate(self, models: list[ModelRef], summary: EvalSummary) -> set[str]:
+        """Score each model on its pending tasks, all in one child process; returns the fingerprints of
+        those that failed (or moved away mid-evaluation)."""
+        failed: set[str] = set()
+        with ExitStack() as claims:
+            batch = []  # (model, its jobs)
+            for model in models:
+                if not (groups := self.task_groups(model)):
+                    summary.cached.append(model.label)
+                elif not claims.enter_context(self.store.claim(model.fingerprint)):
+                    self.log.info("eval %s: another run is evaluating it, skipping", model.label)
+                    summary.busy.append(model.label)
+                elif jobs := self._jobs(model, groups, summary, failed):
+                    batch.append((model, jobs))
+            results = iter(evaluate_in_child([job for _, jobs in batch for job in jobs], self.include, self.cfg) if batch else [])
+            for model, jobs in batch:
+                scored = [next(results) for _ in jobs]
+                try:
+                    if errors := [done["error"] for done in scored if "error" in done]:
+                        raise EvalFailed(errors[0])
+                    for done in scored:
+                        record = self.store.put(model, done["metrics"], self.key, self.cfg.limit, done["seconds"])
+                except (EvalFailed, OSError) as err:
+                    self._failed(model, str(err), summary, failed)
+                    continue
+                self._done(model, record, summary)
+        return failed
+
+    def _jobs(self, model: ModelRef, groups: list[tuple[list[str], bool]], summary: EvalSummary, failed: set[str]) -> list[EvalJob]:
+        try:
+            folder = self._local_copy(model)
+        except OSError as err:
+            self._failed(model, str(err), summary, failed)
+            return []
+        out = self.work_dir / model.fingerprint
+        return [EvalJob(folder, tasks, chat, f"{out}-{'chat' if chat else 'base'}.json") for tasks, chat in groups]
+
+    def _failed(self, model: ModelRef, error: str, summary: EvalSummary, failed: set[str]) -> None:
+        failed.add(model.fingerprint)
+        if "://" not in model.path and not Path(model.path).exists():
+            # its step was committed (renamed) or the checkpoint pruned: the next scan finds it where it is now
+            self.log.info("eval %s: moved while being evaluated; it is picked up at its new place", model.label)
+            return
+        self.log.warning("eval %s failed: %s", model.label, error)
+        summary.failed[model.label] = error
+
+    def _done(self, model: ModelRef, record: dict, summary: EvalSummary) -> None:
         self._mark_evaluated(model)
         if self.mirror is not None:
             self.mirror.put_file(Path(self.store.root) / f"{model.fingerprint}.json", f"evals/results/{model.fingerprint}.json")
         summary.evaluated.append(model.label)
         self.log.info("eval %s (%s): %s", model.label, _tokens(model), headline(record))
-        return True
 
     def run(self, models: list[ModelRef]) -> EvalSummary:
         summary, started = EvalSummary(), time.time()
-        for model in models:
-            self.evaluate(model, summary)
+        self.evaluate(models, summary)
         summary.seconds = time.time() - started
         return summary
 
@@ -111,9 +134,8 @@ class Evaluator:
             finishing = stop.is_set()
             todo = [m for m in discover() if self.task_groups(m) and failures.get(m.fingerprint, 0) < max_failures]
             busy = len(summary.busy)
-            for model in todo:
-                if not self.evaluate(model, summary):
-                    failures[model.fingerprint] = failures.get(model.fingerprint, 0) + 1
+            for fingerprint in self.evaluate(todo, summary):
+                failures[fingerprint] = failures.get(fingerprint, 0) + 1
             progressed = len(todo) > len(summary.busy) - busy  # some model was not left to another process
             if finishing and not progressed:
                 break
