@@ -168,8 +168,9 @@ def report(run_dir: Path, name: str, models: list[tuple[str, StepOutput]], pairs
     ]
     lines = ["# Post-training", "", "| model | held-out accuracy | mean answer tokens |", "|---|---|---|"]
     lines += [f"| {r['model']} | {r['accuracy']:.1%} | {r['mean_answer_tokens']:.1f} |" for r in rows]
-    lines += ["", f"Preference pairs: {json.dumps(pairs.summary)}", "", "| step | seconds | cached |", "|---|---|---|"]
-    lines += [f"| {s.name} | {s.seconds:.0f} | {s.cached} |" for s in steps]
+    lines += ["", f"Preference pairs: {json.dumps(pairs.summary)}", "", "| step | step id | seconds to build |", "|---|---|---|"]
+    # no "cached" column: the earlier stages' steps are read back from the run dir even when this run built them
+    lines += [f"| {s.name} | {s.step_id} | {s.seconds:.0f} |" for s in steps]
     rewards = models[-1][1].summary.get("reward", [])
     if rewards:
         lines += ["", "GRPO reward by step: " + ", ".join(f"{s}: {r:.3f}" for s, r in rewards)]
