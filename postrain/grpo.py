@@ -69,6 +69,8 @@ def run_grpo(model_path: str, items: list[dict[str, Any]], cfg: GRPOCfg, out: Pa
     vllm = resolve_backend(cfg.backend) == "vllm"
     if vllm:
         apply_vllm_defaults()
+        if not torch.cuda.is_available():
+            keep_plain_engine_weights()
     args = trl_args(
         GRPOConfig,
         cfg,
@@ -87,6 +89,23 @@ def run_grpo(model_path: str, items: list[dict[str, Any]], cfg: GRPOCfg, out: Pa
     if vllm:
         unwrap_vllm_compile(model)
     return train_and_save(trainer, out, {"reward": "reward", "completion_length": "completions/mean_length"})
+
+
+def keep_plain_engine_weights() -> None:
+    """Let TRL push the policy's weights into a colocated engine on CPU.
+
+    Once it has loaded a model, vLLM's CPU build (0.32) hands each linear layer's weight to a packed
+    oneDNN kernel where the CPU has one (AVX-512 here) and frees the weight itself
+    (`dispatch_cpu_unquantized_gemm`), so TRL's sync after each step finds empty parameters, and the
+    packed copy would go stale anyway. The colocated engine uses vLLM's own fallback instead: torch's
+    linear on the weights as loaded, which the sync then updates in place.
+    """
+    from vllm.model_executor.layers import utils
+
+    def plain_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    utils.dispatch_cpu_unquantized_gemm = plain_linear
 
 
 def unwrap_vllm_compile(model: torch.nn.Module) -> None:

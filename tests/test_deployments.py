@@ -84,13 +84,15 @@ def wait_final(server: Server, run_id: str, timeout_s: float = 1500) -> dict:
 
 
 def trainer_processes(run_dir: Path) -> list[psutil.Process]:
-    """Trainers of this run only (their job file lies in it): other test files may train beside it (pytest-xdist)."""
+    """Trainers of this run only (their job file lies in it): other test files may train beside it (pytest-xdist).
+    A trainer's own child between fork and exec still shows the trainer's command line: it is not a second trainer."""
     found, roots = [], (str(run_dir), str(run_dir.resolve()))
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["cmdline", "ppid"]):
         cmd = p.info["cmdline"] or []
         if "model.train" in cmd and "infra.procs" not in cmd and any(arg.startswith(roots) for arg in cmd):
             found.append(p)
-    return found
+    pids = {p.pid for p in found}
+    return [p for p in found if p.info["ppid"] not in pids]
 
 
 def run_states(server: Server, run_id: str) -> list[dict]:
@@ -194,16 +196,17 @@ def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_e
     _, alive = psutil.wait_procs(trainers, timeout=20)
     assert not alive, "the trainer outlived the flow run process"
 
-    most, deadline = 0, time.time() + 1500
+    most, seen, deadline = 0, [], time.time() + 1500
     while time.time() < deadline:
-        most = max(most, len(trainer_processes(run_dir)))
+        if len(trainers := trainer_processes(run_dir)) > most:
+            most, seen = len(trainers), [(p.pid, p.info["ppid"], p.info["cmdline"]) for p in trainers]
         try:
             if api(server, f"/flow_runs/{run_id}")["state_type"] in ("COMPLETED", "FAILED", "CANCELLED"):
                 break
         except OSError:  # a busy 2-core machine: the server may answer late
             pass
         time.sleep(1)
-    assert most <= 1, f"{most} trainers alive at once"
+    assert most <= 1, f"{most} trainers alive at once (pid, parent, command): {seen}"
 
     run = wait_final(server, run_id)
     history = state_history(server, run_id)

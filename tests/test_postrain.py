@@ -546,7 +546,7 @@ def test_grpo_with_vllm_rollouts_records_its_rewards_and_resumes_after_a_kill(vl
         assert time.time() < deadline
         time.sleep(0.05)
     trainers = [p for p in psutil.Process().children(recursive=True) if p.cmdline()[1:3] == ["-m", "postrain.run"]]
-    assert len(trainers) == 1, "the launch ended before its trainer could be killed"
+    assert len(trainers) == 1, f"the launch ended before its trainer could be killed: {[e.value for e in errors]}"
     trainers[0].kill()
     first.join(timeout=120)
     assert errors and not (out / "final").exists()
