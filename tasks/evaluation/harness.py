@@ -8,7 +8,7 @@ built-in tasks costs ~35 s per call, paid only when a recipe asks for them (`inc
 Evaluations run as `python -m tasks.evaluation.harness ...` at a lower CPU priority with one
 thread, so evaluating checkpoints while the trainer runs slows training as little as possible
 and a crash in lm-eval never takes the flow down with it. One child takes a batch of jobs (the
-checkpoints pending at once, a finished model's base and chat tasks): its ~8 s of imports are paid
+checkpoints pending at once, a finished model's base and chat tasks): its ~7 s of imports and start-up are paid
 once per batch, not once per model.
 """
 
