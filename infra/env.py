@@ -20,6 +20,24 @@ OFFLINE_DEFAULTS = {
 }
 
 
+def cores() -> int:
+    """CPU cores this process may use: SMOLFLOW_CORES where processes share a machine unpinned (pytest-xdist
+    workers), else its affinity mask (a Slurm cpuset, `taskset`). Every thread count is capped by it: torch's
+    OpenMP threads spin at barriers, so two 2-thread trainers of the tiny model on 2 cores ran 3.6x slower than two 1-thread ones
+    (bench/threads.py)."""
+    value = os.environ.get("SMOLFLOW_CORES")
+    if not value:
+        return len(os.sched_getaffinity(0))
+    if not value.isdigit() or int(value) < 1:
+        raise SmolflowError(f"SMOLFLOW_CORES={value!r}: expected a whole number of cores, 1 or more")
+    return int(value)
+
+
+def thread_count(wanted: int) -> int:
+    """`wanted` threads, at most one per core this process may use."""
+    return max(1, min(wanted, cores()))
+
+
 def apply_offline_defaults() -> None:
     for key, value in OFFLINE_DEFAULTS.items():
         os.environ.setdefault(key, value)

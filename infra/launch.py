@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from infra.env import thread_count
 from infra.locks import record_child
 from infra.procs import kill_tree, owner_env, tethered
 from infra.recipe import AccelerateCfg, LauncherCfg
@@ -81,7 +82,8 @@ def accelerate_command(cfg: AccelerateCfg, module: str, args: list[str], config:
 
 
 def launch_env(cfg: LauncherCfg | AccelerateCfg, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_rank), "PYTHONUNBUFFERED": "1", **owner_env(), **(extra or {})}
+    threads = str(thread_count(cfg.threads_per_rank))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1", **owner_env(), **(extra or {})}
     if not getattr(cfg, "hostfile", None):  # one node: collectives listen on loopback only
         env["GLOO_SOCKET_IFNAME"] = "lo"
     if isinstance(cfg, LauncherCfg) and cfg.kind == "python":  # a lone process still needs a rendezvous, or DeepSpeed tries MPI discovery

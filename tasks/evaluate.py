@@ -7,13 +7,13 @@ Which steps hold checkpoints and finished models comes from the step graph (`Ste
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from infra.env import cores
 from infra.recipe import Recipe
 from infra.steps import Run, Step, StepOutput
 from infra.storage import Mirror, download_folder
@@ -44,7 +44,7 @@ def evaluator(
     cfg = recipe.evaluation
     include = prepare_tasks(cfg.task_dirs, heldout, run_dir / "evals" / "tasks")
     store = store or ResultStore(str(run_dir / "evals" / "results"))
-    threads = os.cpu_count() if alone else None
+    threads = cores() if alone else None
     return Evaluator(cfg, store, include, run_dir / "evals" / "work", run_logger(), mirror, recipe.storage.s3, threads)
 
 

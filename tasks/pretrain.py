@@ -18,6 +18,7 @@ import torch
 from prefect.artifacts import create_table_artifact
 
 from infra import slurm
+from infra.env import thread_count
 from infra.errors import SmolflowError, TrainerFailed
 from infra.launch import free_port, launch_command, launch_env, run_streaming
 from infra.procs import OWNER_ENV, PREEMPTED
@@ -80,7 +81,7 @@ def train_configs(recipe: Recipe) -> list[TrainConfig]:
                 yarn_factor=p.yarn_factor if i == len(p.phases) - 1 else None,
                 micro_batch_size=p.phase_micro_batch(phase),
                 checkpoint=p.checkpoint,
-                threads=p.launcher.threads_per_rank,
+                threads=thread_count(p.launcher.threads_per_rank),
                 log_every=p.log_every,
                 tracking=p.tracking,
                 project=recipe.name,
@@ -147,7 +148,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: Mapping[str, StepOutput], out: Path) 
         init_from = str(previous.path / ("final" if t.long_context else "checkpoints"))
         init_remote = f"checkpoints/{previous.name}-{previous.step_id}"
     if t.peak_flops is None and cfg.launcher.kind != "slurm":  # a Slurm job probes on its own node
-        t = t.model_copy(update={"peak_flops": run_peak_flops(run_dir, cfg.launcher.threads_per_rank, t.phase)})
+        t = t.model_copy(update={"peak_flops": run_peak_flops(run_dir, thread_count(cfg.launcher.threads_per_rank), t.phase)})
     job = TrainJob(
         config=t,
         sources={name: str(inputs["tokens"].path / "data" / name) for name in t.samples},

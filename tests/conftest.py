@@ -17,6 +17,20 @@ from tests.helpers import REPO
 apply_offline_defaults()
 
 
+def share_cores() -> None:
+    """pytest-xdist workers run side by side unpinned: each takes its share of the cores for every thread it
+    starts (infra.env.cores), so two workers' trainers never contend thread for thread."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        os.environ.setdefault("SMOLFLOW_CORES", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+        os.environ.setdefault("OMP_NUM_THREADS", os.environ["SMOLFLOW_CORES"])
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+share_cores()
+
+
 @pytest.fixture(autouse=True)
 def _repo_cwd(monkeypatch):
     """Recipes name repo-relative paths (eval sets), as when run from the repo root."""

@@ -8,6 +8,7 @@ import random
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,12 +17,14 @@ import psutil
 import pytest
 import torch
 
+from infra.errors import SmolflowError
 from infra.launch import launch_command, launch_env, run_streaming
 from infra.procs import PREEMPTED, kill_tree
 from infra.recipe import CheckpointCfg, LauncherCfg, ModelCfg
 from model.checkpoint import checkpoint_bytes, step_of
 from model.train import Schedule, TrainConfig, TrainJob
 from tasks.curation import tokenizer as bpe
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -132,6 +135,22 @@ def reference(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     run_job(make_job(data, out))
     return out
+
+
+def test_a_launch_never_starts_more_threads_than_the_cores_it_may_use(monkeypatch):
+    """More OpenMP threads than cores spin against each other (bench/threads.py): SMOLFLOW_CORES or the
+    affinity mask (a Slurm cpuset, taskset) caps what the recipe asks for."""
+    ask = LauncherCfg(kind="python", nproc=1, threads_per_rank=8)
+    probe = [sys.executable, "-c", "import torch; print(torch.get_num_threads())"]
+    monkeypatch.setenv("SMOLFLOW_CORES", "1")
+    assert subprocess.run(probe, env=launch_env(ask), capture_output=True, text=True).stdout.split() == ["1"]
+    monkeypatch.delenv("SMOLFLOW_CORES")
+    code = "from infra.launch import launch_env; from infra.recipe import LauncherCfg as L; print(launch_env(L(threads_per_rank=8)))"
+    shown = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert "'OMP_NUM_THREADS': '1'" in shown.stdout, shown.stderr
+    monkeypatch.setenv("SMOLFLOW_CORES", "two")
+    with pytest.raises(SmolflowError, match="SMOLFLOW_CORES='two'"):
+        launch_env(ask)
 
 
 def test_sigkill_at_a_random_step_resumes_with_the_same_losses(data, reference, tmp_path):

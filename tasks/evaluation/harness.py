@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.env import vllm_build, vllm_engine_args
+from infra.env import thread_count, vllm_build, vllm_engine_args
 from infra.errors import SmolflowError
 from infra.recipe import EvalCfg
 
@@ -181,7 +181,7 @@ def evaluate_in_child(jobs: list[EvalJob], include: Path, cfg: EvalCfg) -> list[
     spec = outs[0].with_name(f"{outs[0].stem}.jobs.json")
     spec.write_text(json.dumps([asdict(job) for job in jobs]))
     command = [sys.executable, "-m", "tasks.evaluation.harness", str(spec), str(include), "--config", cfg.model_dump_json()]
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(thread_count(cfg.threads)), "TOKENIZERS_PARALLELISM": "false"}
     models = ", ".join(sorted({job.model for job in jobs}))
     died = None
     try:  # niced by `nice(1)`: a preexec_fn is unsafe in a threaded process (the follower runs beside the trainer)

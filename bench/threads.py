@@ -1,0 +1,72 @@
+"""Benchmark: processes that train side by side on the same cores, with more threads than cores and with one
+thread per core (what `infra.env.cores` enforces: SMOLFLOW_CORES or the affinity mask caps every thread count).
+
+Each process runs the same training steps of the tiny recipe's model (random weights, a 16 x 256 batch, AdamW):
+first alone with every core, then as many processes as cores at once with every core each, then the same
+processes with one thread each. Prints each process's seconds and the slowest one's ratio to the baseline
+(processes at once with every core each).
+
+    .venv/bin/python bench/threads.py [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def steps(count: int) -> None:
+    """The child: COUNT training steps, then its seconds on stdout."""
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from infra.recipe import load_recipe
+    from model.network import build_model, model_config
+
+    arch = load_recipe(REPO / "configs" / "tiny.yaml").model
+    model = build_model(model_config(arch, 4096, 256), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = torch.randint(0, 4096, (16, 256), generator=torch.Generator().manual_seed(0))
+    model(input_ids=batch, labels=batch).loss.backward()  # warm-up: allocations outside the timing
+    opt.zero_grad()
+    started = time.time()
+    for _ in range(count):
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    print(f"{time.time() - started:.2f}")
+
+
+def side_by_side(processes: int, threads: int, count: int) -> list[float]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    command = [sys.executable, __file__, "--child", "--steps", str(count)]
+    procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    return [float(p.communicate()[0].split()[-1]) for p in procs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        steps(args.steps)
+        return
+    cores = len(os.sched_getaffinity(0))
+    print(f"{args.steps} steps per process, {cores} cores")
+    alone = side_by_side(1, cores, args.steps)
+    crowded = side_by_side(cores, cores, args.steps)
+    shared = side_by_side(cores, 1, args.steps)
+    print(f"1 process, {cores} threads: {alone[0]:.1f} s")
+    print(f"{cores} processes at once, {cores} threads each: {', '.join(f'{t:.1f}' for t in crowded)} s")
+    print(f"{cores} processes at once, 1 thread each: {', '.join(f'{t:.1f}' for t in shared)} s ({max(crowded) / max(shared):.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
