@@ -1,0 +1,56 @@
+"""A finished model's evals three ways, side by side on the same cores: its base and chat task groups in
+two one-thread children (one child per group), in one child, and in one child with every core (what a
+stage's own evals do now). Prints each time and its ratio to the first.
+
+    .venv/bin/python bench/evaluation.py RUN_DIR [MODEL_DIR] [--repeats 2]
+
+RUN_DIR is a finished run (its frozen recipe and held-out documents); MODEL_DIR defaults to its SFT model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flows.graph import build_graph  # noqa: E402
+from infra.env import cores  # noqa: E402
+from infra.steps import RECIPE, frozen_recipe  # noqa: E402
+from tasks.evaluation.harness import EvalJob, evaluate_in_child, prepare_tasks  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("model", nargs="?", help="HF model folder (default: RUN_DIR's SFT model)")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    recipe = frozen_recipe(json.loads((args.run_dir / RECIPE).read_text()), str(args.run_dir / RECIPE))
+    graph = build_graph(recipe)
+    model = args.model or str(args.run_dir / graph.ladder[0].name / "final")
+    cfg = recipe.evaluation
+    work = Path(tempfile.mkdtemp(prefix="bench-eval-"))
+    include = prepare_tasks(cfg.task_dirs, Path(graph.models.heldout_dir(args.run_dir)), work / "tasks")
+    groups = ((cfg.checkpoint_tasks, False), (cfg.model_tasks, True))
+    jobs = [EvalJob(model, tasks, chat, str(work / f"{chat}.json")) for tasks, chat in groups]
+    every_core = cfg.model_copy(update={"threads": cores()})
+    for _ in range(args.repeats):
+        times = []
+        for label, run in (
+            ("two 1-thread children", lambda: [evaluate_in_child([job], include, cfg) for job in jobs]),
+            ("one child", lambda: evaluate_in_child(jobs, include, cfg)),
+            (f"one child, {cores()} threads", lambda: evaluate_in_child(jobs, include, every_core)),
+        ):
+            started = time.time()
+            run()
+            times.append((label, time.time() - started))
+        print(" | ".join(f"{label} {t:.1f} s ({times[0][1] / t:.2f}x)" for label, t in times), flush=True)
+
+
+if __name__ == "__main__":
+    main()
