@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
+from infra.env import thread_count
 from infra.procs import PREEMPTED, PREEMPTED_MARK, die_with_parent, watch_owner
 from infra.recipe import CheckpointCfg, ModelCfg, S3Cfg, SpikeCfg, Strict, operational
 from infra.storage import Mirror
@@ -395,7 +396,7 @@ def train(job: TrainJob) -> dict[str, Any]:
     die_with_parent()
     watch_owner()
     cfg = job.config
-    torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(thread_count(cfg.threads))  # this node's cores: a Slurm job's cpuset, not the submitting host's
     rank, world = setup_distributed()
     say = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
     store, init_tag, latest, load_from, universal = restore_point(job, rank, world)
@@ -417,7 +418,8 @@ def train(job: TrainJob) -> dict[str, Any]:
     fpt, peak = flops_per_token(engine.module.config, cfg.seq_len), cfg.peak_flops or measure_peak_flops()
     tracker, tokens_per_step = Tracker(job, rank), cfg.batch_size * cfg.seq_len
     say(
-        f"{cfg.phase}: {cfg.schedule.steps} steps x {tokens_per_step:,} tokens, seq {cfg.seq_len}, {world} rank(s) x "
+        f"{cfg.phase}: {cfg.schedule.steps} steps x {tokens_per_step:,} tokens, seq {cfg.seq_len}, {world} rank(s) of "
+        f"{torch.get_num_threads()} thread(s) x "
         f"{grad_accum(cfg, world)} micro-batch(es) of {cfg.micro_batch_size}, {sum(q.numel() for q in engine.module.parameters()):,} params"
     )
     window, last_save, saves, first, dropped_steps = Window(), time.time(), [], step, []

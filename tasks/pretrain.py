@@ -81,7 +81,7 @@ def train_configs(recipe: Recipe) -> list[TrainConfig]:
                 yarn_factor=p.yarn_factor if i == len(p.phases) - 1 else None,
                 micro_batch_size=p.phase_micro_batch(phase),
                 checkpoint=p.checkpoint,
-                threads=thread_count(p.launcher.threads_per_rank),
+                threads=p.launcher.threads_per_rank,
                 log_every=p.log_every,
                 tracking=p.tracking,
                 project=recipe.name,

@@ -137,12 +137,15 @@ def reference(data, tmp_path_factory):
     return out
 
 
-def test_a_launch_never_starts_more_threads_than_the_cores_it_may_use(monkeypatch):
+def test_a_launch_never_starts_more_threads_than_the_cores_it_may_use(data, tmp_path, monkeypatch):
     """More OpenMP threads than cores spin against each other (bench/threads.py): SMOLFLOW_CORES or the
-    affinity mask (a Slurm cpuset, taskset) caps what the recipe asks for."""
+    affinity mask (a Slurm cpuset, taskset) caps what the recipe asks for, in the launch and in the trainer."""
     ask = LauncherCfg(kind="python", nproc=1, threads_per_rank=8)
-    probe = [sys.executable, "-c", "import torch; print(torch.get_num_threads())"]
     monkeypatch.setenv("SMOLFLOW_CORES", "1")
+    job = make_job(data, tmp_path / "out")
+    edit(job, threads=8)
+    assert any("1 rank(s) of 1 thread(s)" in line for line in run_job(job, ask))
+    probe = [sys.executable, "-c", "import torch; print(torch.get_num_threads())"]
     assert subprocess.run(probe, env=launch_env(ask), capture_output=True, text=True).stdout.split() == ["1"]
     monkeypatch.delenv("SMOLFLOW_CORES")
     code = "from infra.launch import launch_env; from infra.recipe import LauncherCfg as L; print(launch_env(L(threads_per_rank=8)))"
@@ -313,7 +316,7 @@ def test_resume_on_fewer_ranks_goes_through_a_universal_checkpoint(data, tmp_pat
     text["stop_after_steps"] = None
     job.write_text(json.dumps(text))
     lines = run_job(job)
-    assert any("1 rank(s) x 2 micro-batch(es) of 4" in line for line in lines)
+    assert any("1 rank(s) of 1 thread(s) x 2 micro-batch(es) of 4" in line for line in lines)
     assert any("converting step00000006 to a universal checkpoint" in line for line in lines), "\n".join(lines[-20:])
     assert any("resumed s1 from checkpoint step00000006" in line for line in lines)
     assert json.loads((out / "summary.json").read_text())["steps"] == 39
