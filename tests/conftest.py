@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.env import apply_offline_defaults
+from infra.env import apply_offline_defaults, cores
 from tests.helpers import REPO
 
 apply_offline_defaults()
@@ -22,7 +22,7 @@ def share_cores() -> None:
     starts (infra.env.cores), so two workers' trainers never contend thread for thread."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        os.environ.setdefault("SMOLFLOW_CORES", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+        os.environ.setdefault("SMOLFLOW_CORES", str(max(1, cores() // workers)))
         os.environ.setdefault("OMP_NUM_THREADS", os.environ["SMOLFLOW_CORES"])
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
