@@ -19,11 +19,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from infra.env import cores  # noqa: E402
 
 
 def steps(count: int) -> None:
     """The child: COUNT training steps, then its seconds on stdout."""
-    sys.path.insert(0, str(REPO))
     import torch
 
     from infra.recipe import load_recipe
@@ -58,14 +60,14 @@ def main() -> None:
     if args.child:
         steps(args.steps)
         return
-    cores = len(os.sched_getaffinity(0))
-    print(f"{args.steps} steps per process, {cores} cores")
-    alone = side_by_side(1, cores, args.steps)
-    crowded = side_by_side(cores, cores, args.steps)
-    shared = side_by_side(cores, 1, args.steps)
-    print(f"1 process, {cores} threads: {alone[0]:.1f} s")
-    print(f"{cores} processes at once, {cores} threads each: {', '.join(f'{t:.1f}' for t in crowded)} s")
-    print(f"{cores} processes at once, 1 thread each: {', '.join(f'{t:.1f}' for t in shared)} s ({max(crowded) / max(shared):.2f}x)")
+    n = cores()
+    print(f"{args.steps} steps per process, {n} cores")
+    alone = side_by_side(1, n, args.steps)
+    crowded = side_by_side(n, n, args.steps)
+    shared = side_by_side(n, 1, args.steps)
+    print(f"1 process, {n} threads: {alone[0]:.1f} s")
+    print(f"{n} processes at once, {n} threads each: {', '.join(f'{t:.1f}' for t in crowded)} s")
+    print(f"{n} processes at once, 1 thread each: {', '.join(f'{t:.1f}' for t in shared)} s ({max(crowded) / max(shared):.2f}x)")
 
 
 if __name__ == "__main__":
