@@ -449,6 +449,9 @@ class ChatDataCfg(Strict):
     max_value: int = Field(49, gt=0)
     operators: str = Field("+-*", pattern=r"^[-+*]+$", description="operators of the generated arithmetic problems")
     heldout: int = Field(200, gt=0)
+    sign_slips: float = Field(
+        0.0, ge=0, le=1, description="share of the negative answers whose training solution drops the minus sign (a teacher's flaw)"
+    )
     hub: list[HubChatCfg] = []
     dedup_threshold: float = Field(0.9, gt=0, le=1)
 

@@ -73,6 +73,22 @@ def generate(n: int, families: dict[str, float], max_value: int, seed: int, oper
     return out
 
 
+def plant_sign_slips(items: list[dict[str, Any]], share: float, seed: int) -> int:
+    """Drop the minus sign from the final answer of `share` of the negative answers' solutions; return how many.
+
+    Distilled SFT data carries its teacher's systematic mistakes, which SFT copies and only a verifier can
+    catch. The tiny recipe plants one such flaw so the demo shows what GRPO's correctness reward undoes;
+    `answer` keeps the true value, so the preference filter and the reward still check against it.
+    """
+    rng, planted = random.Random(seed), 0
+    for item in items:
+        if item["family"] in FAMILIES and item["answer"].startswith("-") and rng.random() < share:
+            last = item["messages"][-1]
+            last["content"] = last["content"].replace(f"The answer is {item['answer']}.", f"The answer is {item['answer'][1:]}.")
+            planted += 1
+    return planted
+
+
 def extract_answer(text: str) -> str | None:
     """The final answer of a completion ('... The answer is X.'), or None when it gives none."""
     found = ANSWER.findall(text)

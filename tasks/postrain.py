@@ -63,9 +63,10 @@ def chat_data(cfg: ChatDataStepCfg, inputs: Inputs, out: Path) -> dict:
         items += chat.load_hub_chat(hub.path, hub.split, hub.limit)
     kept, counts = chat.dedup_and_decontaminate(items, read_eval_questions(cfg.eval_sets), d.dedup_threshold)
     heldout, train = kept[: d.heldout], kept[d.heldout :]
+    slips = chat.plant_sign_slips(train, d.sign_slips, cfg.seed)
     chat.write_jsonl(out / "train.jsonl", train)
     chat.write_jsonl(out / "heldout.jsonl", heldout)
-    summary = {"generated": len(items), **counts, "train": len(train), "heldout": len(heldout)}
+    summary = {"generated": len(items), **counts, "train": len(train), "heldout": len(heldout), "sign_slips": slips}
     run_logger().info("chat data: %s", summary)
     return summary
 

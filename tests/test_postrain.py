@@ -107,6 +107,26 @@ def test_prompts_are_deduplicated_and_decontaminated():
     assert counts == {"duplicates": 1, "contaminated": 1}
 
 
+def test_sign_slips_flaw_only_training_solutions_never_heldout_or_the_verified_answers(tmp_path):
+    from infra.recipe import ChatDataCfg
+    from tasks.postrain import ChatDataStepCfg, chat_data
+
+    def run(share: float) -> tuple[dict, list[dict], list[dict]]:
+        data = ChatDataCfg(generated=600, heldout=100, operators="-", families={"arithmetic": 1.0}, sign_slips=share)
+        cfg = ChatDataStepCfg(data=data, eval_sets=["configs/evals/arithmetic.jsonl"], seed=5)
+        summary = chat_data(cfg, {}, tmp_path / str(share))
+        return summary, *(chat.read_jsonl(tmp_path / str(share) / f"{split}.jsonl") for split in ("train", "heldout"))
+
+    (clean, train, heldout), (flawed, slipped, heldout_after) = run(0.0), run(0.6)
+    negative = [i for i, item in enumerate(train) if item["answer"].startswith("-")]
+    wrong = [i for i, item in enumerate(slipped) if not chat.is_correct(item["messages"][-1]["content"], item["answer"])]
+    assert clean["sign_slips"] == 0 and all(chat.is_correct(t["messages"][-1]["content"], t["answer"]) for t in train)
+    assert flawed["sign_slips"] == len(wrong) and 0.45 * len(negative) < len(wrong) < 0.75 * len(negative)
+    assert set(wrong) <= set(negative)  # only the sign is lost: the answer read back is the true one without its minus
+    assert all(chat.extract_answer(slipped[i]["messages"][-1]["content"]) == train[i]["answer"][1:] for i in wrong)
+    assert [t["answer"] for t in slipped] == [t["answer"] for t in train] and heldout_after == heldout
+
+
 def test_preference_pairs_with_the_transformers_backend(base):
     items = chat.generate(6, {"arithmetic": 1.0}, 49, 2)
     backend = lambda path: TransformersBackend(path, batch_size=4)  # noqa: E731
