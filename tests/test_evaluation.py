@@ -256,6 +256,9 @@ def test_report_card_from_a_run_dir(tmp_path):
     (run / "sft" / "manifest.json").write_text(
         json.dumps({"name": "sft", "step_id": "y", "fingerprint": "g", "seconds": 30.0, "summary": ladder})
     )
+    (run / "chat_data").mkdir()
+    chats = {"name": "chat_data", "step_id": "z", "fingerprint": "h", "seconds": 1.0, "summary": {"train": 90, "sign_slips": 7}}
+    (run / "chat_data" / "manifest.json").write_text(json.dumps(chats))
     graph = build_graph(recipe)
     models = models_in_run(run, graph.steps)
     assert [(m.label, m.tokens) for m in models] == [("phase1/step00000005", 1280)]
@@ -275,7 +278,8 @@ def test_report_card_from_a_run_dir(tmp_path):
     assert phase_ends([finished(run, "pretrain_phase1")]) == [("phase1", 1280)]
     assert "| phase1/step00000005 | 0.300 | 2.500 |" in text
     assert "| sft | 25.0% | arithmetic 50.0%, word_problem 0.0% |  | 20.0 |" in text  # per family, as the card shows it
-    assert "**2 of 17 steps finished** (pretrain_phase1, sft)" in text
+    assert "drop the minus sign of 7 negative answers" in text  # a planted teacher flaw is said beside the ladder
+    assert "**3 of 17 steps finished** (pretrain_phase1, chat_data, sft)" in text
     assert "## Curation" in text and "_not run yet_" in text  # sections without data say so
 
 

@@ -44,7 +44,8 @@ def build_report(run_dir: Path, name: str, graph: list[Step]) -> Card:
     lines += _curation([s for s in graph if s.stage == graph[0].stage], steps)
     lines += _pretraining(run_dir, [s for s in graph if s.checkpoints], plots_dir, card)
     lines += _evaluations(evals, order, phase_ends([steps[s.name] for s in graph if s.checkpoints and s.name in steps]), plots_dir, card)
-    lines += _post_training([(s.model, steps[s.name]) for s in graph if s.model and s.name in steps], evals, plots_dir, card)
+    slips = sum(o.summary.get("sign_slips", 0) for o in steps.values())
+    lines += _post_training([(s.model, steps[s.name]) for s in graph if s.model and s.name in steps], evals, plots_dir, card, slips)
     lines += _wall_time(steps, plots_dir, card)
     card.markdown = "\n".join(lines) + "\n"
     tmp = card.path.with_name(".card.md.tmp")
@@ -206,7 +207,8 @@ def ladder(models: list[tuple[str, StepOutput]]) -> list[tuple[str, dict]]:
     return rungs
 
 
-def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir: Path, card: Card) -> list[str]:
+def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir: Path, card: Card, slips: int) -> list[str]:
+    """SLIPS: the planted sign slips in the SFT data, said beside the ladder so no reader takes SFT's lost signs for a defect."""
     import matplotlib.pyplot as plt
 
     rungs = ladder(models)
@@ -231,6 +233,9 @@ def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir:
     for n, e in rungs:
         family = ", ".join(f"{k} {v:.1%}" for k, v in e.get("by_family", {}).items())
         rows.append(f"| {n} | {e['accuracy']:.1%} | {family} | {f'{gen[n]:.1%}' if n in gen else ''} | {e['mean_answer_tokens']:.1f} |")
+    if slips:
+        rows += ["", f"The SFT data's solutions drop the minus sign of {slips:,} negative answers (`postrain.data.sign_slips`): a planted"]
+        rows += ["teacher flaw that SFT copies; held-out answers and the verifier's references keep their sign."]
     return ["## Post-training ladder", "", f"![ladder]({path.relative_to(card.path.parent)})", "", *rows, ""]
 
 
