@@ -69,7 +69,8 @@ def _architecture(folder: Path) -> list[str]:
 
 
 def _history(steps: list[dict[str, Any]]) -> list[str]:
-    """Pretraining phases (tokens, mixture) and post-training steps (trainer, held-out score) in training order."""
+    """Pretraining phases (tokens, mixture) and post-training steps (trainer, held-out score) in training order, and any
+    flaw planted in the chat data (a reader of the card must not take it for a defect of the pipeline)."""
     lines = []
     phases = [m for m in steps if "train" in m["config"] and "phase" in m["config"]["train"]]
     if phases:
@@ -93,6 +94,14 @@ def _history(steps: list[dict[str, Any]]) -> list[str]:
             family = ", ".join(f"{k} {v:.0%}" for k, v in e.get("by_family", {}).items())
             lines.append(f"| {m['name']} | {settings} | {e['accuracy']:.1%} | {family} | {e['mean_answer_tokens']:.1f} |")
         lines.append("")
+    slips = sum(m["summary"].get("sign_slips", 0) for m in steps)
+    if slips:
+        lines += [
+            f"The SFT data was flawed on purpose: its solutions drop the minus sign of {slips:,} negative answers "
+            "(`postrain.data.sign_slips`), a teacher's systematic mistake that SFT copies and a verifier's reward can undo. "
+            "The held-out answers and the references the preference filter and GRPO check against keep their sign.",
+            "",
+        ]
     return lines
 
 

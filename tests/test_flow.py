@@ -185,6 +185,7 @@ def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_ser
             "postrain.sft.logging_steps=5",
             "postrain.data.generated=300",
             "postrain.data.heldout=20",
+            "postrain.data.sign_slips=0.5",
         ],
     )
     summary = json.loads((tmp_path / "run" / "sft" / "manifest.json").read_text())["summary"]
@@ -208,6 +209,9 @@ def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_ser
     sft_card = (run / "sft" / "final" / "README.md").read_text()
     assert "| sft | max_steps 20, batch_size" in sft_card and f"{sft_manifest['summary']['eval']['accuracy']:.1%}" in sft_card
     assert {"chat_data", "pretrain_long_context"} <= {name for name, _ in sft_manifest["lineage"]}
+    slips = json.loads((run / "chat_data" / MANIFEST).read_text())["summary"]["sign_slips"]
+    assert slips > 0 and f"drop the minus sign of {slips:,} negative answers" in sft_card, "the planted flaw is said on the card"
+    assert "minus sign" not in (run / "pretrain_long_context" / "final" / "README.md").read_text(), "only downstream of chat_data"
 
     from transformers import pipeline
 
