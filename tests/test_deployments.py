@@ -55,8 +55,8 @@ def api(server: Server, path: str, body: dict | None = None, auth: bool = True):
         headers["Authorization"] = "Basic " + base64.b64encode(server.auth().encode()).decode()
     request = urllib.request.Request(f"{server.api_url}{path}", data=data, headers=headers)
     for attempt in range(5):
-        try:
-            with urllib.request.urlopen(request, timeout=60) as response:
+        try:  # Prefect's SQLite waits up to 60 s on a lock (busy_timeout) before its 503: wait longer than that
+            with urllib.request.urlopen(request, timeout=120) as response:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as e:  # 503: SQLite busy on a loaded 2-core machine; ask again
             if e.code != 503 or attempt == 4:
