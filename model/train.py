@@ -34,7 +34,7 @@ from infra.recipe import CheckpointCfg, ModelCfg, S3Cfg, SpikeCfg, Strict, opera
 from infra.storage import Mirror
 from model.checkpoint import MARKER, CheckpointStore, DiskFull, MirrorBehind, tag_for, verify, weights_only_engine
 from model.data import IGNORE, MixtureBatches, TokenSource, flatten, sample_order
-from model.network import build_model, flops_per_token, long_context_config, model_config, param_groups, with_yarn
+from model.network import build_model, flops_per_token, for_training, long_context_config, model_config, param_groups, with_yarn
 
 
 class Schedule(Strict):
@@ -205,9 +205,7 @@ def initial_model(job: TrainJob, vocab_size: int, special_ids: dict[str, int], i
         return build_model(model_config(cfg.model, vocab_size, cfg.seq_len, special_ids=special_ids), cfg.seed)
     if cfg.long_context:
         config = long_context_config(AutoConfig.from_pretrained(job.init_from), cfg.seq_len, cfg.rope_theta)
-        model = AutoModelForCausalLM.from_pretrained(job.init_from, config=config, dtype=torch.float32)
-        model.config.use_cache = False
-        return model
+        return for_training(AutoModelForCausalLM.from_pretrained(job.init_from, config=config, dtype=torch.float32))
     return build_model(AutoConfig.from_pretrained(Path(job.init_from) / init_tag / "hf"), cfg.seed)
 
 
@@ -295,10 +293,11 @@ def agree(value: float, op) -> float:
     return float(t.item())
 
 
-def train_step(engine, batches: list[dict[str, torch.Tensor]], cfg: TrainConfig, drop) -> tuple[float, bool]:
+def train_step(engine, batches: list[dict[str, torch.Tensor]], cfg: TrainConfig, drop) -> tuple[float, bool, float]:
     """Forward and backward this rank's micro-batches, then one optimizer update unless `drop(loss)` says
     a batch must not be trained on (on any rank): then no backward of it, gradients discarded, and the
-    optimizer not called at all (no moment, weight-decay or step-count change). Returns (mean loss, dropped)."""
+    optimizer not called at all (no moment, weight-decay or step-count change).
+    Returns (mean loss, dropped, gradient norm before clipping; NaN when dropped)."""
     import torch.distributed as dist
 
     flash = engine.module.config._attn_implementation == "flash_attention_2"
@@ -318,9 +317,14 @@ def train_step(engine, batches: list[dict[str, torch.Tensor]], cfg: TrainConfig,
     mean = agree(sum(losses) / len(losses), dist.ReduceOp.SUM) / dist.get_world_size()
     if dropped:
         engine.optimizer.zero_grad() if engine.zero_optimization() or cfg.precision == "bf16" else engine.zero_grad()
-    else:
-        engine.step()
-    return mean, dropped
+        return mean, dropped, math.nan
+    # DeepSpeed's ZeRO and bf16 optimizers record the norm they clip by; its plain fp32 path clips without
+    # keeping it, so there it is taken here, from the gradients already averaged across ranks
+    recorded = engine.zero_optimization() or cfg.precision == "bf16"
+    norm = None if recorded else float(torch.nn.utils.get_total_norm([q.grad for q in engine.module.parameters() if q.grad is not None]))
+    engine.step()
+    norm = engine.get_global_grad_norm() if recorded else norm
+    return mean, dropped, math.nan if norm is None else float(norm)
 
 
 # --- the phase ----------------------------------------------------------------------------------
@@ -364,16 +368,16 @@ class Tracker:
 
 @dataclass
 class Window:
-    """Loss and throughput since the last log line."""
+    """Loss, throughput and the gradient norm since the last log line."""
 
     started: float = field(default_factory=time.time)
     loss: float = 0.0
     steps: int = 0
+    grad_norm: float = math.nan  # of the window's last update (NaN if every batch was dropped)
 
-    def metrics(self, cfg: TrainConfig, step: int, lr: float, engine, tokens_per_step: int, fpt: float, peak: float, world: int) -> dict:
+    def metrics(self, cfg: TrainConfig, step: int, lr: float, tokens_per_step: int, fpt: float, peak: float, world: int) -> dict:
         elapsed = max(time.time() - self.started, 1e-9)
         tok_s = self.steps * tokens_per_step / elapsed
-        norm = engine.get_global_grad_norm()
         return {
             "phase": cfg.phase,
             "step": step,
@@ -381,7 +385,7 @@ class Window:
             "tokens": (cfg.schedule.offset + step) * tokens_per_step,
             "loss": self.loss / max(self.steps, 1),
             "lr": lr,
-            "grad_norm": float(norm) if norm is not None else math.nan,
+            "grad_norm": self.grad_norm,
             "tokens_per_s": tok_s,
             "step_s": elapsed / max(self.steps, 1),
             "mfu": tok_s / world * fpt / peak,
@@ -430,7 +434,7 @@ def train(job: TrainJob) -> dict[str, Any]:
         lr = cfg.schedule.lr(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss, dropped = train_step(engine, data.micro_batches(step, rank, world), cfg, lambda value, s=step: guard.drop(s, value))
+        loss, dropped, norm = train_step(engine, data.micro_batches(step, rank, world), cfg, lambda value, s=step: guard.drop(s, value))
         if guard.spiked(step, loss) or not math.isfinite(loss):
             say(
                 f"loss spike at step {step}: {loss:.3f} vs running mean {guard.ema:.3f} (policy: {cfg.spike.policy}"
@@ -446,10 +450,11 @@ def train(job: TrainJob) -> dict[str, Any]:
             dropped_steps.append(step)
         else:
             guard.update(loss)
+            window.grad_norm = norm
         step += 1
         window.loss, window.steps = window.loss + loss, window.steps + 1
         if step % cfg.log_every == 0 or step == cfg.schedule.steps:
-            metrics = window.metrics(cfg, step, lr, engine, tokens_per_step, fpt, peak, world)
+            metrics = window.metrics(cfg, step, lr, tokens_per_step, fpt, peak, world)
             tracker.log(metrics)
             say(
                 f"[{cfg.phase}] step {step}/{cfg.schedule.steps} | loss {metrics['loss']:.4f} | lr {lr:.2e} | "

@@ -166,11 +166,16 @@ def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_ser
     assert "before phase1's trainer started" in peak["method"]
     for stage in ("phase1", "phase2", "phase3", "long_context"):
         metrics = (tmp_path / "run" / f"pretrain_{stage}" / "metrics.jsonl").read_text().splitlines()
-        assert metrics and all(json.loads(m)["loss"] > 0 for m in metrics)
+        assert metrics and all(json.loads(m)["loss"] > 0 and json.loads(m)["grad_norm"] > 0 for m in metrics)  # NaN fails
         job = json.loads((tmp_path / "run" / f"pretrain_{stage}" / "job.json").read_text())
         assert job["config"]["peak_flops"] == peak["flops_per_rank"]
         for ckpt in (tmp_path / "run" / f"pretrain_{stage}" / "checkpoints").glob("step*"):
             AutoModelForCausalLM.from_pretrained(ckpt / "hf")  # every kept checkpoint is a loadable HF model
+        # every phase's export generates with a KV cache (phases built from a checkpoint's config once did not)
+        out = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / f"pretrain_{stage}" / "final").generate(
+            **prompt, max_new_tokens=2, do_sample=False, return_dict_in_generate=True
+        )
+        assert out.past_key_values is not None, stage
     assert (tmp_path / "run" / "trackio").is_dir()
 
     # post-training starts from there: chat data and SFT through their own flow

@@ -376,18 +376,19 @@ def test_a_skipped_batch_leaves_weights_and_optimizer_state_bit_identical(data, 
             return a["steps"] == b["steps"] and all(torch.equal(a[part][k], b[part][k]) for part in ("weights", "moments") for k in a[part])
 
         initial = state()
-        _, dropped = train_step(engine, batches.micro_batches(0, 0, 1), cfg, lambda loss: False)
+        _, dropped, norm = train_step(engine, batches.micro_batches(0, 0, 1), cfg, lambda loss: False)
         trained = state()
         assert not dropped and not same(initial, trained) and trained["moments"], "a normal step updates weights and moments"
+        assert np.isfinite(norm) and norm > 0, "the fp32 ZeRO-0 path reports the norm DeepSpeed clipped by"
 
-        loss, dropped = train_step(engine, batches.micro_batches(1, 0, 1), cfg, lambda loss: True)  # the guard says: spike
-        assert dropped and same(trained, state())
+        loss, dropped, norm = train_step(engine, batches.micro_batches(1, 0, 1), cfg, lambda loss: True)  # the guard says: spike
+        assert dropped and same(trained, state()) and np.isnan(norm)
 
         def overflow(module, args, out):  # logits that overflowed: the loss is no longer finite
             return type(out)(**{**out, "logits": out.logits * float("inf")})
 
         hook = engine.module.register_forward_hook(overflow)
-        loss, dropped = train_step(engine, batches.micro_batches(2, 0, 1), cfg, lambda loss: False)
+        loss, dropped, _ = train_step(engine, batches.micro_batches(2, 0, 1), cfg, lambda loss: False)
         hook.remove()
         assert dropped and not np.isfinite(loss) and same(trained, state())
     finally:
@@ -453,6 +454,8 @@ def test_a_phase_killed_on_two_ranks_resumes_on_one(tmp_path):
     done = run_dir / phase1.name
     assert outputs[phase1.name].summary["steps"] == 31 and not (run_dir / PREVIOUS).exists()
     assert (done / "checkpoints" / ".universal" / saved["tag"]).is_dir(), "the 2-rank ZeRO shards were re-split for 1 rank"
-    logged = [json.loads(line)["step"] for line in (done / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (done / "metrics.jsonl").read_text().splitlines()]
+    assert all(line["grad_norm"] > 0 for line in lines), "ZeRO-1's optimizer records the norm (NaN fails)"
+    logged = [line["step"] for line in lines]
     # steps up to the saved checkpoint were trained once: the rerun started from there, not from step 0
     assert sorted(set(logged)) == list(range(5, 31, 5)) + [31] and all(logged.count(s) == 1 for s in logged if s <= saved["step"])
