@@ -89,6 +89,15 @@ def plant_sign_slips(items: list[dict[str, Any]], share: float, seed: int) -> in
     return planted
 
 
+def sign_slips_note(count: int) -> str:
+    """What a reader of a card or report must know about the planted flaw, in one wording for both."""
+    return (
+        f"The SFT data was flawed on purpose: its solutions drop the minus sign of {count:,} negative answers "
+        "(`postrain.data.sign_slips`), a teacher's systematic mistake that SFT copies and a verifier's reward can undo. "
+        "The held-out answers and the references the preference filter and GRPO check against keep their sign."
+    )
+
+
 def extract_answer(text: str) -> str | None:
     """The final answer of a completion ('... The answer is X.'), or None when it gives none."""
     found = ANSWER.findall(text)

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from infra.errors import SmolflowError
 from infra.steps import StepOutput, building_step_id, identity, read_manifest
+from postrain.data import sign_slips_note
 
 CARD = "README.md"
 
@@ -96,12 +97,7 @@ def _history(steps: list[dict[str, Any]]) -> list[str]:
         lines.append("")
     slips = sum(m["summary"].get("sign_slips", 0) for m in steps)
     if slips:
-        lines += [
-            f"The SFT data was flawed on purpose: its solutions drop the minus sign of {slips:,} negative answers "
-            "(`postrain.data.sign_slips`), a teacher's systematic mistake that SFT copies and a verifier's reward can undo. "
-            "The held-out answers and the references the preference filter and GRPO check against keep their sign.",
-            "",
-        ]
+        lines += [sign_slips_note(slips), ""]
     return lines
 
 

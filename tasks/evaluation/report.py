@@ -16,6 +16,7 @@ from statistics import median
 from typing import Any
 
 from infra.steps import Step, StepOutput, finished
+from postrain.data import sign_slips_note
 from tasks.evaluation.results import made_by, main_metric, stderr_of
 
 
@@ -234,8 +235,7 @@ def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir:
         family = ", ".join(f"{k} {v:.1%}" for k, v in e.get("by_family", {}).items())
         rows.append(f"| {n} | {e['accuracy']:.1%} | {family} | {f'{gen[n]:.1%}' if n in gen else ''} | {e['mean_answer_tokens']:.1f} |")
     if slips:
-        rows += ["", f"The SFT data's solutions drop the minus sign of {slips:,} negative answers (`postrain.data.sign_slips`): a planted"]
-        rows += ["teacher flaw that SFT copies; held-out answers and the verifier's references keep their sign."]
+        rows += ["", sign_slips_note(slips)]
     return ["## Post-training ladder", "", f"![ladder]({path.relative_to(card.path.parent)})", "", *rows, ""]
 
 
