@@ -321,9 +321,9 @@ def train_step(engine, batches: list[dict[str, torch.Tensor]], cfg: TrainConfig,
     # DeepSpeed's ZeRO and bf16 optimizers record the norm they clip by; its plain fp32 path clips without
     # keeping it, so there it is taken here, from the gradients already averaged across ranks
     recorded = engine.zero_optimization() or cfg.precision == "bf16"
-    norm = None if recorded else float(torch.nn.utils.get_total_norm([q.grad for q in engine.module.parameters() if q.grad is not None]))
+    own = None if recorded else torch.nn.utils.get_total_norm([q.grad for q in engine.module.parameters() if q.grad is not None])
     engine.step()
-    norm = engine.get_global_grad_norm() if recorded else norm
+    norm = engine.get_global_grad_norm() if recorded else own
     return mean, dropped, math.nan if norm is None else float(norm)
 
 
