@@ -190,11 +190,17 @@ def _wait_for_slurm(executor, cfg: ExecutorCfg, logging_dir: Path, tasks: int, j
     """Until every task is complete and the jobs have left the queue.
 
     A job whose dependency can never be met counts as gone; jobs gone with tasks incomplete fail the
-    task with the first incomplete rank's log tail. Polls back off from 1 s to 10 s.
+    task with the first incomplete rank's log tail. The tasks' completion files are listed every second
+    (one folder on the shared disk), the queue (squeue, a call on slurmctld) backs off from 1 s to 10 s and
+    is asked at once when the files say all are done: polling only the queue with that back-off found
+    a 5 s job done ~8 s late, each pipeline of a curation waiting on it.
     """
-    deadline, delay = time.time() + cfg.timeout_hours * 3600, 1.0
+    deadline, delay, ask_at = time.time() + cfg.timeout_hours * 3600, 1.0, 0.0
     while True:
         left = executor.get_incomplete_ranks()
+        if left and time.time() < ask_at:
+            time.sleep(1)
+            continue
         jobs = _slurm_jobs(executor.job_name)
         alive = [j for j in jobs if j[2] != "DependencyNeverSatisfied"]
         if not alive:
@@ -212,8 +218,8 @@ def _wait_for_slurm(executor, cfg: ExecutorCfg, logging_dir: Path, tasks: int, j
                 f"their logs are in {logging_dir / 'logs'}; a retry runs only the incomplete ones"
             )
         log.info("%s: waiting for %d of %d tasks (jobs %s)", job_name, len(left), tasks, ", ".join(f"{i} {s}" for i, s, _ in jobs))
-        time.sleep(delay)
-        delay = min(delay * 2, 10)
+        ask_at, delay = time.time() + delay, min(delay * 2, 10)
+        time.sleep(1)
 
 
 def _rank_log_tail(logging_dir: Path, rank: int, lines: int = 20) -> str:

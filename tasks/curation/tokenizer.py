@@ -13,9 +13,12 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -76,7 +79,11 @@ def save_hf(tokenizer: Tokenizer, out: Path) -> PreTrainedTokenizerFast:
     """Save as a transformers tokenizer (tokenizer.json + config + chat template).
 
     `clean_up_tokenization_spaces` is off: that clean-up is for WordPiece, strips the space before
-    punctuation in BPE text, and transformers warns on every load of a config that asks for it."""
+    punctuation in BPE text, and transformers warns on every load of a config that asks for it.
+    transformers is imported here, not with the module: every curation task on Slurm or Ray imports
+    this module for EOS, and transformers with torch costs it ~5 s of CPU."""
+    from transformers import PreTrainedTokenizerFast
+
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=EOS, pad_token=PAD, chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False
     )
