@@ -169,12 +169,23 @@ def _explain(recipe: Path, run_dir: str | None, overrides: list[str], stages: li
         typer.echo(f"versions kept in {run.run_dir / PREVIOUS} (moved aside, never deleted): {', '.join(p.name for p in kept)}")
 
 
+def _check_upstream(recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str]) -> None:
+    """A stage whose inputs are missing or stale fails here, in seconds, not in a flow run after a Prefect server start."""
+    from flows.graph import build_graph
+    from flows.pipeline import upstream
+    from infra.steps import Run
+
+    run = Run.open(str(recipe), run_dir, overrides, freeze=False)
+    upstream(run.run_dir, build_graph(run.recipe), stages)
+
+
 def _run_flow(flow_fn, recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str], dry_run: bool) -> None:
     try:
         _resolve(recipe, overrides)  # fail fast, before a Prefect server is started
         _explain(recipe, run_dir, overrides, stages, always=dry_run)
         if dry_run:
             return
+        _check_upstream(recipe, run_dir, overrides, stages)
         result = flow_fn(str(recipe), run_dir, overrides)
     except SmolflowError as err:
         _fail(err)

@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 from flows.graph import STAGES, Graph, build_graph
 from infra.errors import SmolflowError
 from infra.recipe import Recipe, load_recipe
-from infra.steps import RECIPE, Run, Status, Step, StepOutput, finished, frozen_recipe, require, statuses
+from infra.steps import RECIPE, Run, StepOutput, finished, frozen_recipe, require, statuses
 from infra.storage import filesystem
 from tasks import curate, postrain, pretrain
 from tasks import evaluate as ev
@@ -33,18 +33,21 @@ def open_run(recipe: str | None, run_dir: str | None, overrides: list[str] | Non
     return run, build_graph(run.recipe)
 
 
-def run_steps(run: Run, steps: list[Step], stage: str, graph: Graph) -> dict[str, StepOutput]:
-    """Build `steps` in order; an upstream step of another stage must be finished and current."""
+def upstream(run_dir: Path, graph: Graph, stages: list[str]) -> dict[str, StepOutput]:
+    """The outputs that `stages` read from other stages, each finished and current with the recipe, or
+    UpstreamMissing naming the stage to run first. Checked before a stage starts anything (the CLI checks it
+    before a Prefect server starts), not when its first step needs it."""
+    deps = {d.name: d for s in graph.steps if s.stage in stages for d in s.deps.values() if d.stage not in stages}
+    known = {s.step.name: s for s in statuses(run_dir, graph.steps)} if deps else {}
+    return {name: require(run_dir, dep, known[name], needed_by=" and ".join(stages)) for name, dep in deps.items()}
+
+
+def run_steps(run: Run, stage: str, graph: Graph, available: dict[str, StepOutput] | None = None) -> dict[str, StepOutput]:
+    """Build the stage's steps in order on the outputs of earlier stages (`available`, else checked here)."""
+    available = upstream(run.run_dir, graph, [stage]) if available is None else available
     outputs: dict[str, StepOutput] = {}
-    known: dict[str, Status] | None = None
-    for step in steps:
-        inputs = {}
-        for role, dep in step.deps.items():
-            if dep.name not in outputs:
-                known = known or {s.step.name: s for s in statuses(run.run_dir, graph.steps)}
-                outputs[dep.name] = require(run.run_dir, dep, known[dep.name], needed_by=stage)
-            inputs[role] = outputs[dep.name]
-        outputs[step.name] = build(run, step, inputs)
+    for step in graph.stage(stage):
+        outputs[step.name] = build(run, step, {role: {**available, **outputs}[d.name] for role, d in step.deps.items()})
     return outputs
 
 
@@ -52,7 +55,7 @@ def run_steps(run: Run, steps: list[Step], stage: str, graph: Graph) -> dict[str
 def curate_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None) -> str:
     """Curate the sources into RUN_DIR; returns the path of the curation report."""
     run, graph = open_run(recipe, run_dir, overrides)
-    out = run_steps(run, graph.stage("curate"), "curate", graph)
+    out = run_steps(run, "curate", graph)
     roles = {role: out[step.name] for role, step in graph.curation.items()}
     return str(curate.report(run.run_dir, run.recipe.name, list(out.values()), run.recipe.curate.examples_per_filter, **roles))
 
@@ -62,10 +65,11 @@ def pretrain_flow(recipe: str | None = None, run_dir: str | None = None, overrid
     """Pretrain on the curated mixtures in RUN_DIR, every checkpoint evaluated while the trainer runs;
     returns the final model's folder."""
     run, graph = open_run(recipe, run_dir, overrides)
+    available = upstream(run.run_dir, graph, ["pretrain"])  # before the follower starts
     stop = threading.Event()
     follower = ev.follow_checkpoints.submit(run, graph.models, stop)  # scores checkpoints while the trainer runs
     try:
-        out = run_steps(run, graph.stage("pretrain"), "pretrain", graph)
+        out = run_steps(run, "pretrain", graph, available)
     finally:
         stop.set()
         follower.wait()
@@ -77,7 +81,7 @@ def pretrain_flow(recipe: str | None = None, run_dir: str | None = None, overrid
 def _post(stage: str, recipe: str | None, run_dir: str | None, overrides: list[str] | None) -> tuple[Run, Graph, dict[str, StepOutput]]:
     """A post-training stage's steps; each model it leaves is scored right after its step."""
     run, graph = open_run(recipe, run_dir, overrides)
-    out = run_steps(run, graph.stage(stage), stage, graph)
+    out = run_steps(run, stage, graph)
     for step in graph.stage(stage):
         if step.model:
             ev.evaluate_model(run, graph.models, step, out[step.name])

@@ -244,6 +244,7 @@ def test_stage_on_an_empty_run_dir_says_what_to_run_first(tmp_path):
     )
     assert out.returncode == 2
     assert "pretrain needs the output of step 'tokenize'" in out.stderr and "smolflow stage curate" in out.stderr
+    assert "temporary server" not in out.stderr + out.stdout, "the missing input is found before a Prefect server starts"
     sft = subprocess.run(
         [str(Path(sys.executable).parent / "smolflow"), "stage", "sft", str(recipe), "--run-dir", str(tmp_path / "empty")],
         capture_output=True,
