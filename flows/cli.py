@@ -170,13 +170,17 @@ def _explain(recipe: Path, run_dir: str | None, overrides: list[str], stages: li
 
 
 def _check_upstream(recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str]) -> None:
-    """A stage whose inputs are missing or stale fails here, in seconds, not in a flow run after a Prefect server start."""
+    """A stage whose inputs from earlier stages are missing fails here, in seconds, not in a flow run after a Prefect
+    server start. The full check (current with the recipe, or held in a step store) runs only when one is absent from
+    the run dir: it hashes local raw sources, and the stage flow runs it again before its first step."""
     from flows.graph import build_graph
-    from flows.pipeline import upstream
-    from infra.steps import Run
+    from flows.pipeline import upstream, upstream_steps
+    from infra.steps import Run, finished
 
     run = Run.open(str(recipe), run_dir, overrides, freeze=False)
-    upstream(run.run_dir, build_graph(run.recipe), stages)
+    graph = build_graph(run.recipe)
+    if any(finished(run.run_dir, name) is None for name in upstream_steps(graph, stages)):
+        upstream(run.run_dir, graph, stages)
 
 
 def _run_flow(flow_fn, recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str], dry_run: bool) -> None:

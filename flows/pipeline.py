@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 from flows.graph import STAGES, Graph, build_graph
 from infra.errors import SmolflowError
 from infra.recipe import Recipe, load_recipe
-from infra.steps import RECIPE, Run, StepOutput, finished, frozen_recipe, require, statuses
+from infra.steps import RECIPE, Run, Step, StepOutput, finished, frozen_recipe, require, statuses
 from infra.storage import filesystem
 from tasks import curate, postrain, pretrain
 from tasks import evaluate as ev
@@ -33,11 +33,16 @@ def open_run(recipe: str | None, run_dir: str | None, overrides: list[str] | Non
     return run, build_graph(run.recipe)
 
 
+def upstream_steps(graph: Graph, stages: list[str]) -> dict[str, Step]:
+    """The steps of other stages that `stages` read, by name."""
+    return {d.name: d for s in graph.steps if s.stage in stages for d in s.deps.values() if d.stage not in stages}
+
+
 def upstream(run_dir: Path, graph: Graph, stages: list[str]) -> dict[str, StepOutput]:
     """The outputs that `stages` read from other stages, each finished and current with the recipe, or
     UpstreamMissing naming the stage to run first. Checked before a stage starts anything (the CLI checks it
     before a Prefect server starts), not when its first step needs it."""
-    deps = {d.name: d for s in graph.steps if s.stage in stages for d in s.deps.values() if d.stage not in stages}
+    deps = upstream_steps(graph, stages)
     known = {s.step.name: s for s in statuses(run_dir, graph.steps)} if deps else {}
     return {name: require(run_dir, dep, known[name], needed_by=" and ".join(stages)) for name, dep in deps.items()}
 
