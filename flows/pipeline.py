@@ -49,11 +49,10 @@ def upstream(run_dir: Path, graph: Graph, stages: list[str]) -> dict[str, StepOu
 
 def run_steps(run: Run, stage: str, graph: Graph, available: dict[str, StepOutput] | None = None) -> dict[str, StepOutput]:
     """Build the stage's steps in order on the outputs of earlier stages (`available`, else checked here)."""
-    available = upstream(run.run_dir, graph, [stage]) if available is None else available
-    outputs: dict[str, StepOutput] = {}
+    known = dict(upstream(run.run_dir, graph, [stage]) if available is None else available)
     for step in graph.stage(stage):
-        outputs[step.name] = build(run, step, {role: {**available, **outputs}[d.name] for role, d in step.deps.items()})
-    return outputs
+        known[step.name] = build(run, step, {role: known[d.name] for role, d in step.deps.items()})
+    return {step.name: known[step.name] for step in graph.stage(stage)}
 
 
 @flow(name="curate")
