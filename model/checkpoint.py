@@ -49,11 +49,16 @@ def mark_evaluated(checkpoint: Path) -> None:
     """The evaluator's side of the store's protocol: ROOT/TAG was scored, so `prune` may delete it now.
 
     Until then the store holds up to `hold_unevaluated` checkpoints past `keep_last`, so an
-    evaluator that falls behind the trainer still scores every checkpoint.
+    evaluator that falls behind the trainer still scores every checkpoint. A checkpoint gone from
+    where it was scored was pruned, or its step was committed (renamed), after which its store
+    prunes nothing more: there is nothing left to hold back, so that is not an error.
     """
     checkpoint = Path(checkpoint)
-    (checkpoint.parent / EVALUATED).mkdir(exist_ok=True)
-    (checkpoint.parent / EVALUATED / checkpoint.name).touch()
+    try:
+        (checkpoint.parent / EVALUATED).mkdir(exist_ok=True)
+        (checkpoint.parent / EVALUATED / checkpoint.name).touch()
+    except FileNotFoundError:
+        log.info("checkpoint %s moved or was pruned while it was scored: nothing to mark", checkpoint)
 
 
 def tag_for(step: int) -> str:

@@ -223,6 +223,62 @@ def test_prune_holds_checkpoints_until_evaluated(tmp_path):
     assert store.local_tags() == ["step00000004"]
 
 
+def fake_checkpoint(stage_dir: Path, step: int) -> Path:
+    """A complete checkpoint folder as the store commits it: an HF export and a marker listing it."""
+    folder = stage_dir / "checkpoints" / f"step{step:08d}"
+    (folder / "hf").mkdir(parents=True)
+    (folder / "hf" / "config.json").write_text(json.dumps({"step": step}))
+    size = (folder / "hf" / "config.json").stat().st_size
+    (folder / "checkpoint.json").write_text(json.dumps({"step": step, "tokens": 256 * step, "files": {"hf/config.json": size}}))
+    return folder
+
+
+def test_a_checkpoint_whose_step_commits_while_it_is_scored_is_found_where_it_went_scoring_stubbed(tmp_path, heldout, monkeypatch):
+    """The follower scores checkpoints in the partial folder of the training step; the step's commit renames
+    that folder at any moment. Both races are replayed deterministically: the commit during the scoring
+    (lm-eval's child is stubbed to do the rename) and during the scan (between the marker check and the read)."""
+    import tasks.evaluation.results as results
+    import tasks.evaluation.runner as runner
+
+    graph = build_graph(parse_recipe(micro_recipe(), "micro")).steps
+    step = next(s for s in graph if s.checkpoints)
+    run = tmp_path / "run"
+    partial, final = run / ".partial" / step.name, run / step.name
+    fake_checkpoint(partial, 5)
+    [model] = models_in_run(run, graph)
+    assert model.path.startswith(str(partial))
+
+    def commit_while_scoring(jobs, *args):
+        partial.rename(final)
+        return [{"metrics": {"smol_arithmetic_cf": {"acc": 0.5}}, "seconds": 0.1} for _ in jobs]
+
+    monkeypatch.setattr(runner, "evaluate_in_child", commit_while_scoring)
+    ev = evaluator(tmp_path, heldout, EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=2))
+    summary = ev.run([model])
+    assert summary.evaluated == [model.label] and not summary.failed
+    [moved] = models_in_run(run, graph)
+    assert moved.path.startswith(str(final)) and moved.fingerprint == model.fingerprint
+    assert ev.task_groups(moved) == [], "its score is found at the new place, not computed again"
+
+    run = tmp_path / "run2"
+    partial, final = run / ".partial" / step.name, run / step.name
+    fake_checkpoint(partial, 6)
+    real = results.is_complete
+
+    def commit_after_the_check(folder):
+        complete = real(folder)
+        if partial.exists():
+            partial.rename(final)
+        return complete
+
+    monkeypatch.setattr(results, "is_complete", commit_after_the_check)
+    assert models_in_run(run, graph) == [], "a checkpoint that moves mid-scan is left to the next scan"
+    monkeypatch.setattr(results, "is_complete", real)
+    assert [m.path for m in models_in_run(run, graph)] == [str(final / "checkpoints" / "step00000006" / "hf")]
+    with pytest.raises(FileNotFoundError):
+        local_fingerprint(partial / "checkpoints" / "step00000006" / "hf")
+
+
 def test_report_card_from_a_run_dir(tmp_path):
     recipe = parse_recipe(micro_recipe(), "micro")
     run = tmp_path / "run"

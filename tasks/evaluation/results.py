@@ -88,8 +88,12 @@ _fp_cache: dict[tuple[str, float], str] = {}
 
 
 def local_fingerprint(folder: Path) -> str:
-    """Content fingerprint of a local model folder (memoised per folder and modification time)."""
+    """Content fingerprint of a local model folder (memoised per folder and modification time).
+    A folder renamed mid-listing lists short without an error (pathlib's glob skips what vanished),
+    so an empty listing raises FileNotFoundError instead of fingerprinting nothing."""
     files = sorted(p for p in folder.rglob("*") if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"{folder}: no files (moved, or not a model folder)")
     key = (str(folder.resolve()), max((p.stat().st_mtime for p in files), default=0.0))
     if key not in _fp_cache:
         _fp_cache[key] = fingerprint_listing({p.relative_to(folder).as_posix(): file_digest(p, "md5") for p in files})
@@ -106,20 +110,25 @@ def models_in_run(run_dir: Path, steps: list[Step]) -> list[ModelRef]:
         for root in (run_dir / step.name, run_dir / ".partial" / step.name):
             sid = made_by(root)
             for folder in sorted((root / "checkpoints").glob("step*")):
-                if folder.is_dir() and is_complete(folder) and (folder / "hf").is_dir():
+                try:
+                    if not ((folder / "hf").is_dir() and is_complete(folder)):
+                        continue
                     marker = json.loads((folder / MARKER).read_text())
-                    models.append(
-                        ModelRef(
-                            path=str(folder / "hf"),
-                            fingerprint=local_fingerprint(folder / "hf"),
-                            label=f"{step.checkpoints}/{folder.name}",
-                            kind="checkpoint",
-                            stage=step.checkpoints,
-                            step=marker.get("step"),
-                            tokens=marker.get("tokens"),
-                            step_id=sid,
-                        )
+                    fingerprint = local_fingerprint(folder / "hf")
+                except FileNotFoundError:
+                    continue  # its step was committed (renamed) or the checkpoint pruned mid-read: the next scan finds it where it is
+                models.append(
+                    ModelRef(
+                        path=str(folder / "hf"),
+                        fingerprint=fingerprint,
+                        label=f"{step.checkpoints}/{folder.name}",
+                        kind="checkpoint",
+                        stage=step.checkpoints,
+                        step=marker.get("step"),
+                        tokens=marker.get("tokens"),
+                        step_id=sid,
                     )
+                )
     for step in steps:
         folder = run_dir / step.name / "final"
         if step.model and (run_dir / step.name / MANIFEST).is_file() and folder.is_dir():
