@@ -371,7 +371,7 @@ def disk_drill(work: Path) -> tuple[str, list[str]]:
     from infra.launch import launch_command, launch_env, run_streaming
     from infra.recipe import LauncherCfg
     from model.checkpoint import checkpoint_bytes
-    from model.train import TrainJob
+    from model.config import TrainJob
 
     phase = work / "reference" / "pretrain_phase1"
     reference = TrainJob.model_validate_json((phase / "job.json").read_text())

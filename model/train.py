@@ -26,94 +26,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict
 
 from infra.env import thread_count
 from infra.procs import PREEMPTED, PREEMPTED_MARK, die_with_parent, watch_owner
-from infra.recipe import CheckpointCfg, ModelCfg, S3Cfg, SpikeCfg, Strict, operational
+from infra.recipe import S3Cfg, SpikeCfg
 from infra.storage import Mirror
 from model.checkpoint import MARKER, CheckpointStore, DiskFull, MirrorBehind, tag_for, verify, weights_only_engine
+from model.config import TrainConfig, TrainJob
 from model.data import IGNORE, MixtureBatches, TokenSource, flatten, sample_order
 from model.network import build_model, flops_per_token, for_training, long_context_config, model_config, param_groups, with_yarn
-
-
-class Schedule(Strict):
-    """The learning rate of every step of a phase, resolved from the whole recipe (warmup-stable-decay)."""
-
-    steps: int  # optimizer steps of this phase
-    offset: int = 0  # steps of the main phases before this one: the schedule is global
-    total: int = 1  # steps of all main phases
-    warmup: int = 0
-    decay_start: int = 1  # global step where the linear decay to `floor` begins
-    peak: float
-    floor: float
-    constant: float | None = None  # a long-context phase trains at this constant rate
-
-    def lr(self, step: int) -> float:
-        if self.constant is not None:
-            return self.constant
-        g = self.offset + step
-        if g < self.warmup:
-            return self.peak * (g + 1) / self.warmup
-        if g < self.decay_start:
-            return self.peak
-        progress = min(1.0, (g - self.decay_start + 1) / max(1, self.total - self.decay_start))
-        return self.peak + (self.floor - self.peak) * progress
-
-
-class TrainConfig(Strict):
-    """One phase's training: its identity is every field but the operational ones."""
-
-    phase: str
-    index: int
-    seed: int
-    model: ModelCfg
-    samples: dict[str, int]  # source name -> seq_len windows this phase draws from it
-    seq_len: int
-    batch_size: int  # sequences per optimizer step over all ranks
-    schedule: Schedule
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    z_loss: float = 0.0
-    precision: str = "fp32"
-    zero_stage: int = 0
-    spike: SpikeCfg = SpikeCfg()
-    rope_theta: float | None = None  # a long-context phase: the raised RoPE base
-    yarn_factor: float | None = None  # the last phase writes YaRN settings into its final config
-    micro_batch_size: int = operational(8)
-    checkpoint: CheckpointCfg = operational(CheckpointCfg())
-    threads: int = operational(2)
-    log_every: int = operational(10)
-    tracking: str = operational("trackio")
-    project: str = operational("smolflow")  # the tracking project
-    peak_flops: float | None = operational(None)  # per rank; a matmul probe when None
-    hold_unevaluated: int = operational(0)  # checkpoints kept past keep_last until the evaluator scored them
-
-    @property
-    def long_context(self) -> bool:
-        return self.rope_theta is not None
-
-
-class TrainJob(BaseModel):
-    """A phase's config plus where things are; written by the Prefect task as JSON (no secrets in it)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    config: TrainConfig
-    sources: dict[str, str]  # source name -> folder of .ds files
-    tokenizer_dir: str
-    out_dir: str  # the phase's step folder: final HF model, metrics, summary
-    checkpoint_dir: str
-    init_from: str | None = None  # previous phase's checkpoint root (main phase) or final model (long context)
-    init_remote: str | None = None  # the previous phase's checkpoints on the mirror
-    remote_name: str = ""  # this phase's checkpoints on the mirror
-    mirror: str | None = None  # s3:// prefix for checkpoints; credentials come from the environment
-    s3_endpoint: str | None = None
-    s3_region: str | None = None
-    stop_after_steps: int | None = None  # testing and drills: exit after this many steps of this run
-
 
 # --- process and engine -------------------------------------------------------------------------
 

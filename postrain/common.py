@@ -13,9 +13,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import GenerationConfig
-
 from infra.errors import SmolflowError
 from infra.recipe import TrainerCfg
 from postrain.data import extract_answer, is_correct
@@ -28,6 +25,8 @@ def world_size() -> int:
 
 def trl_args(config_cls, cfg: TrainerCfg, out: Path, seed: int, **extra: Any):
     """TRL config for `cfg` on this launch's ranks; on CPU bf16 and activation checkpointing are off (TRL defaults them on)."""
+    import torch
+
     cuda, ranks = torch.cuda.is_available(), world_size()
     if cfg.batch_size % ranks:
         raise ValueError(f"batch_size {cfg.batch_size} does not split over {ranks} ranks")
@@ -83,6 +82,8 @@ def save_final(trainer, path: Path, checkpoint: str | None = None) -> None:
 
     Every rank calls it (under ZeRO-3 saving gathers the weights); CHECKPOINT: copy that checkpoint's model instead.
     """
+    from transformers import GenerationConfig
+
     tmp, main = path.with_name(path.name + ".tmp"), trainer.is_world_process_zero()
     if main:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -14,12 +14,13 @@ import random
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, get_args
-
-from datasketch import MinHash, MinHashLSH
+from typing import TYPE_CHECKING, Any, get_args
 
 from infra.recipe import Family
 from postrain.problems import arithmetic_problem, word_problem
+
+if TYPE_CHECKING:  # datasketch (1.2 s of imports) is loaded by the post-training stage only, not by every flow process
+    from datasketch import MinHash
 
 ANSWER = re.compile(r"answer is\s+(-?[\w']+)", re.IGNORECASE)
 WORDS = sorted({w.lower() for w in dir(builtins) + keyword.kwlist if w.isalpha() and 3 <= len(w) <= 10})
@@ -109,6 +110,8 @@ def is_correct(completion: str, answer: str) -> bool:
 
 
 def _minhash(text: str, num_perm: int = 64) -> MinHash:
+    from datasketch import MinHash
+
     m = MinHash(num_perm=num_perm, seed=1)
     text = " ".join(text.lower().split())
     m.update_batch([text[i : i + 4].encode() for i in range(max(1, len(text) - 3))])
@@ -119,6 +122,8 @@ def dedup_and_decontaminate(
     items: Iterable[dict[str, Any]], eval_questions: Iterable[str], threshold: float
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Drop prompts near-identical (MinHash Jaccard >= threshold) to an eval question or an earlier prompt."""
+    from datasketch import MinHashLSH
+
     evals = MinHashLSH(threshold=threshold, num_perm=64)
     for i, question in enumerate(eval_questions):
         evals.insert(f"eval{i}", _minhash(question))

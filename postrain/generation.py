@@ -21,8 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 from infra.env import vllm_build, vllm_engine_args
 from infra.errors import SmolflowError
 from infra.launch import run_streaming
@@ -53,6 +51,7 @@ class TransformersBackend:
     """Batched `generate` with left padding."""
 
     def __init__(self, model_path: str, batch_size: int = 32):
+        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
@@ -60,6 +59,8 @@ class TransformersBackend:
         self.batch_size = batch_size
 
     def chat(self, conversations: list[list[dict[str, str]]], max_new_tokens: int, temperature: float) -> list[str]:
+        import torch
+
         out = []
         for start in range(0, len(conversations), self.batch_size):
             batch = conversations[start : start + self.batch_size]
@@ -106,6 +107,7 @@ class VLLMBackend:
 def generate_with_vllm(request: dict[str, Any], chunk: int = 1024) -> list[str]:
     """Greedy (temperature 0) or sampled answers, CHUNK conversations at a time with a progress line each;
     the engine's seed is fixed, so a rerun samples the same."""
+    import torch
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 

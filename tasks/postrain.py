@@ -14,7 +14,6 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-import torch
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra.errors import TrainerFailed
@@ -85,6 +84,8 @@ def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, dat
     result.unlink(missing_ok=True)  # a previous attempt's: only this launch's may count
     job = PostJob(stage=stage, model=str(model), data=str(data), config=trainer.model_dump(), out=str(out), seed=cfg.seed)
     (out / "job.json").write_text(job.model_dump_json(indent=2))
+    import torch
+
     bf16 = torch.cuda.is_available()  # as trl_args decides on the ranks
     command = accelerate_command(cfg.launcher, "postrain.run", [str(out / "job.json")], out / "accelerate.json", free_port(), bf16)
     log.info("%s on %d rank(s), ZeRO-%d: %s", stage, cfg.launcher.nproc, cfg.launcher.zero_stage, " ".join(command))

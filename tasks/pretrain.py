@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import torch
 from prefect.artifacts import create_table_artifact
 
 from infra import slurm
@@ -25,7 +24,7 @@ from infra.procs import OWNER_ENV, PREEMPTED
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
 from infra.steps import StepOutput, building_step_id
 from infra.storage import write_json_atomic
-from model.train import Schedule, TrainConfig, TrainJob, measure_peak_flops
+from model.config import Schedule, TrainConfig, TrainJob
 from tasks.card import write_card
 from tasks.common import run_logger, stage_task
 from tasks.curation.mixtures import MixturePhase, windows
@@ -121,6 +120,10 @@ def run_peak_flops(run_dir: Path, threads: int, phase: str) -> float:
     path = run_dir / PEAK
     probes = json.loads(path.read_text()) if path.is_file() else {}
     if str(threads) not in probes:
+        import torch
+
+        from model.train import measure_peak_flops
+
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:

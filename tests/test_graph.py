@@ -151,6 +151,14 @@ def test_layers_point_one_way():
     assert not _imports("bench") & {"tests"}
 
 
+def test_the_flows_import_no_training_library():
+    """Every CLI command and Prefect flow process imports the graph; torch, transformers and datasketch belong to
+    the trainer, generation and eval processes it launches (they cost a flow ~10 s of CPU before it does anything)."""
+    code = "import sys, flows.cli, flows.pipeline; print(sorted({'torch', 'transformers', 'datasketch', 'deepspeed'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.split() == ["[]"], out.stdout + out.stderr
+
+
 def test_step_names_are_spelled_only_in_the_graph_module():
     """Stage names (flows, CLI, deployments) are another concept; a stage of one step shares its spelling."""
     graph = build_graph(parse_recipe(micro_recipe(), "micro"))

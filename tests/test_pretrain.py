@@ -22,7 +22,7 @@ from infra.launch import launch_command, launch_env, run_streaming
 from infra.procs import PREEMPTED, kill_tree
 from infra.recipe import CheckpointCfg, LauncherCfg, ModelCfg
 from model.checkpoint import checkpoint_bytes, step_of
-from model.train import Schedule, TrainConfig, TrainJob
+from model.config import Schedule, TrainConfig, TrainJob
 from tasks.curation import tokenizer as bpe
 from tests.helpers import REPO
 
