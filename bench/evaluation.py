@@ -1,6 +1,7 @@
-"""A finished model's evals three ways, side by side on the same cores: its base and chat task groups in
-two one-thread children (one child per group), in one child, and in one child with every core (what a
-stage's own evals do now). Prints each time and its ratio to the first.
+"""A finished model's evals four ways, side by side on the same cores: its base and chat task groups in
+two one-thread children (a child per batch: how the checkpoint follower scored each batch before its child
+lived for the whole stage), in one child as two batches (the follower now), in one child as one batch, and
+in one child with every core (what a stage's own evals do). Prints each time and its ratio to the first.
 
     .venv/bin/python bench/evaluation.py RUN_DIR [MODEL_DIR] [--repeats 2]
 
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flows.graph import build_graph  # noqa: E402
 from infra.env import cores  # noqa: E402
 from infra.steps import RECIPE, frozen_recipe  # noqa: E402
-from tasks.evaluation.harness import EvalJob, evaluate_in_child, prepare_tasks  # noqa: E402
+from tasks.evaluation.harness import EvalJob, EvalWorker, prepare_tasks  # noqa: E402
 
 
 def main() -> None:
@@ -39,12 +40,19 @@ def main() -> None:
     groups = ((cfg.checkpoint_tasks, False), (cfg.model_tasks, True))
     jobs = [EvalJob(model, tasks, chat, str(work / f"{chat}.json")) for tasks, chat in groups]
     every_core = cfg.model_copy(update={"threads": cores()})
+
+    def batches(cfg, *batches):  # one child for these batches of jobs
+        with EvalWorker(include, cfg, work / "child.log") as worker:
+            for batch in batches:
+                worker.run(batch)
+
     for _ in range(args.repeats):
         times = []
         for label, run in (
-            ("two 1-thread children", lambda: [evaluate_in_child([job], include, cfg) for job in jobs]),
-            ("one child", lambda: evaluate_in_child(jobs, include, cfg)),
-            (f"one child, {cores()} threads", lambda: evaluate_in_child(jobs, include, every_core)),
+            ("two 1-thread children", lambda: [batches(cfg, [job]) for job in jobs]),
+            ("one child, two batches", lambda: batches(cfg, *[[job] for job in jobs])),
+            ("one child, one batch", lambda: batches(cfg, jobs)),
+            (f"one child, {cores()} threads", lambda: batches(every_core, jobs)),
         ):
             started = time.time()
             run()

@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from infra.errors import StepLocked
 from infra.recipe import EvalCfg, parse_recipe
 from infra.steps import Step, finished, run_step
 from model.checkpoint import CheckpointStore, mark_evaluated
-from tasks.evaluation.harness import prepare_tasks
+from tasks.evaluation.harness import EvalJob, EvalWorker, prepare_tasks
 from tasks.evaluation.report import build_report, phase_ends
 from tasks.evaluation.results import ModelRef, ResultStore, local_fingerprint, models_in_run
 from tasks.evaluation.runner import Evaluator
@@ -107,11 +108,9 @@ def test_generative_scores_are_the_same_with_the_vllm_and_the_transformers_backe
 
 
 def test_models_pending_at_once_are_scored_in_one_child_and_a_failing_one_is_reported_not_dropped(tmp_path, heldout, monkeypatch):
-    import tasks.evaluation.runner as runner
-
     children = []
-    real = runner.evaluate_in_child
-    monkeypatch.setattr(runner, "evaluate_in_child", lambda jobs, *args: children.append(jobs) or real(jobs, *args))
+    real = EvalWorker.run
+    monkeypatch.setattr(EvalWorker, "run", lambda self, jobs: children.append(jobs) or real(self, jobs))
     cfg = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], model_tasks=["smol_arithmetic_gen"], limit=2)
     ev = evaluator(tmp_path, heldout, cfg)
     broken = tmp_path / "broken"
@@ -124,12 +123,39 @@ def test_models_pending_at_once_are_scored_in_one_child_and_a_failing_one_is_rep
             ModelRef(str(good), local_fingerprint(good), "sft", "model", "sft"),
         ]
     )
-    # one child for the checkpoint's tasks and the finished model's base and chat tasks
-    assert [len(jobs) for jobs in children] == [3]
+    # one batch for the checkpoint's tasks and the finished model's base and chat tasks
+    assert [len(jobs) for jobs in children] == [3] and ev.worker.launches == 1
     assert list(summary.failed) == ["phase1/step00000005"] and str(broken) in summary.failed["phase1/step00000005"]
     assert summary.evaluated == ["sft"]
     assert set(ev.store.get(local_fingerprint(good))["tasks"]) == {"smol_arithmetic_cf", "smol_arithmetic_gen"}
     assert ev.store.get(local_fingerprint(broken)) is None
+
+
+def test_the_follower_scores_successive_batches_in_one_child_and_a_dead_child_is_replaced(tmp_path, heldout):
+    """The child's imports (~11 s of CPU) are paid once per follower, not once per batch of checkpoints beside the trainer."""
+    ev = evaluator(tmp_path, heldout, EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=4, poll_seconds=0.5))
+    folders = [save_micro_model(tmp_path / f"step{i}", seed=10 + i) for i in (1, 2)]
+    refs = [ModelRef(str(f), local_fingerprint(f), f"phase1/step{i:08d}", "checkpoint", "phase1", i) for i, f in enumerate(folders, 1)]
+    stop, scans = threading.Event(), []
+
+    def discover():  # the second checkpoint appears once the first was scored; training ends with it
+        scans.append(len(scans))
+        if len(scans) == 2:
+            stop.set()
+        return refs[: len(scans)]
+
+    summary = ev.follow(discover, stop)
+    assert summary.evaluated == [r.label for r in refs] and not summary.failed
+    assert ev.worker.launches == 1 and ev.worker.proc is None, "one child for both batches, ended with the follower"
+
+    job = [EvalJob(str(folders[0]), ["smol_arithmetic_cf"], False, str(tmp_path / "again.json"))]
+    with ev.worker as worker:
+        threading.Timer(3.0, lambda: worker.proc.kill()).start()  # mid-batch: the child's imports alone take longer
+        [died] = worker.run(job)
+        assert "exit -9" in died["error"], died
+        [scored] = worker.run(job)
+    first = ev.store.get(refs[0].fingerprint)["tasks"]["smol_arithmetic_cf"]["metrics"]
+    assert worker.launches == 3 and scored["metrics"]["smol_arithmetic_cf"]["acc"] == first["acc"]
 
 
 def test_unknown_task_names_the_task_dirs(tmp_path, heldout):
@@ -184,8 +210,6 @@ def test_step_lock_refuses_a_second_builder_and_survives_a_dead_one(tmp_path):
 
 
 def test_the_eval_follower_waits_for_a_model_claimed_elsewhere_without_spinning_and_leaves_it_when_stopped(tmp_path, heldout):
-    import threading
-
     ev = evaluator(tmp_path, heldout, EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], poll_seconds=0.5))
     store = ev.store
     store.lock_dir.mkdir(parents=True)
@@ -238,7 +262,6 @@ def test_a_checkpoint_whose_step_commits_while_it_is_scored_is_found_where_it_we
     that folder at any moment. Both races are replayed deterministically: the commit during the scoring
     (lm-eval's child is stubbed to do the rename) and during the scan (between the marker check and the read)."""
     import tasks.evaluation.results as results
-    import tasks.evaluation.runner as runner
 
     graph = build_graph(parse_recipe(micro_recipe(), "micro")).steps
     step = next(s for s in graph if s.checkpoints)
@@ -248,11 +271,11 @@ def test_a_checkpoint_whose_step_commits_while_it_is_scored_is_found_where_it_we
     [model] = models_in_run(run, graph)
     assert model.path.startswith(str(partial))
 
-    def commit_while_scoring(jobs, *args):
+    def commit_while_scoring(worker, jobs):
         partial.rename(final)
         return [{"metrics": {"smol_arithmetic_cf": {"acc": 0.5}}, "seconds": 0.1} for _ in jobs]
 
-    monkeypatch.setattr(runner, "evaluate_in_child", commit_while_scoring)
+    monkeypatch.setattr(EvalWorker, "run", commit_while_scoring)
     ev = evaluator(tmp_path, heldout, EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=2))
     summary = ev.run([model])
     assert summary.evaluated == [model.label] and not summary.failed

@@ -5,22 +5,26 @@ run offline. Their data paths are placeholders (`${TASK_DIR}`, `${HELDOUT}`) res
 `RUN/evals/tasks/`. lm-eval is handed a TaskManager over those folders only: indexing its ~14k
 built-in tasks costs ~35 s per call, paid only when a recipe asks for them (`include_defaults`).
 
-Evaluations run as `python -m tasks.evaluation.harness ...` at a lower CPU priority with one
-thread, so evaluating checkpoints while the trainer runs slows training as little as possible
-and a crash in lm-eval never takes the flow down with it. One child takes a batch of jobs (the
-checkpoints pending at once, a finished model's base and chat tasks): its ~7 s of imports and start-up are paid
-once per batch, not once per model.
+Evaluations run in a child process (`python -m tasks.evaluation.harness`) at a lower CPU priority
+with one thread, so evaluating checkpoints while the trainer runs slows training as little as
+possible and a crash in lm-eval never takes the flow down with it. The child (`EvalWorker`) lives
+as long as its evaluator: the checkpoint follower hands it each batch of jobs (the checkpoints
+pending at once, a finished model's base and chat tasks) over its stdin, so its ~11 s of imports
+(lm-eval, torch, transformers) are paid once per stage, not once per batch beside the trainer.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import glob
 import gzip
 import json
 import math
 import os
 import re
+import select
 import subprocess
 import sys
 import time
@@ -31,6 +35,7 @@ from typing import Any
 
 from infra.env import thread_count, vllm_build, vllm_engine_args
 from infra.errors import SmolflowError
+from infra.procs import die_with_parent
 from infra.recipe import EvalCfg
 
 
@@ -77,9 +82,8 @@ def _has_lines(path: str) -> bool:
 def run_tasks(model_dir: Path, tasks: list[str], include: Path, cfg: EvalCfg, chat: bool) -> dict[str, dict[str, float]]:
     """Evaluate `model_dir` on `tasks`; returns task -> metric -> value (NaN-free, plain floats)."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=str(include), include_defaults=cfg.include_defaults)
+    manager = _task_manager(str(include), cfg.include_defaults)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise SmolflowError(f"evaluation: unknown lm-eval task(s) {unknown}; tasks found in {include}: {sorted(manager.all_tasks)[:20]}")
@@ -101,6 +105,14 @@ def run_tasks(model_dir: Path, tasks: list[str], include: Path, cfg: EvalCfg, ch
     for task, chance in chance_levels(manager, tasks, cfg.limit).items():
         scores.setdefault(task, {})["chance"] = chance
     return scores
+
+
+@functools.cache
+def _task_manager(include: str, defaults: bool):
+    """lm-eval's task index, built once per child (with its built-in tasks it takes ~35 s)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include, include_defaults=defaults)
 
 
 def chance_levels(manager, tasks: list[str], limit: int | None) -> dict[str, float]:
@@ -172,28 +184,74 @@ class EvalJob:
     out: str
 
 
-def evaluate_in_child(jobs: list[EvalJob], include: Path, cfg: EvalCfg) -> list[dict[str, Any]]:
-    """Run the jobs in one niced child process; per job, {"metrics", "seconds"} or {"error"} (a job that
-    fails leaves the others scored; a child that dies fails the jobs it had not finished)."""
-    outs = [Path(job.out) for job in jobs]
-    for out in outs:
-        out.unlink(missing_ok=True)
-    spec = outs[0].with_name(f"{outs[0].stem}.jobs.json")
-    spec.write_text(json.dumps([asdict(job) for job in jobs]))
-    command = [sys.executable, "-m", "tasks.evaluation.harness", str(spec), str(include), "--config", cfg.model_dump_json()]
-    env = {**os.environ, "OMP_NUM_THREADS": str(thread_count(cfg.threads)), "TOKENIZERS_PARALLELISM": "false"}
-    models = ", ".join(sorted({job.model for job in jobs}))
-    died = None
-    try:  # niced by `nice(1)`: a preexec_fn is unsafe in a threaded process (the follower runs beside the trainer)
-        niced = ["nice", "-n", str(cfg.nice), *command]
-        proc = subprocess.run(niced, env=env, capture_output=True, text=True, timeout=cfg.timeout_minutes * 60)
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-            died = f"evaluating {models} failed (exit {proc.returncode}):\n{tail}"
-    except subprocess.TimeoutExpired:
-        died = f"evaluating {models} took over {cfg.timeout_minutes:g} min (evaluation.timeout_minutes): killed"
-    missing = {"error": died or "the evaluation child wrote no results"}
-    return [json.loads(out.read_text()) if out.is_file() else missing for out in outs]
+class EvalWorker:
+    """A niced child process that scores batches of jobs until `close`: `run(jobs)` returns, per job,
+    {"metrics", "seconds"} or {"error"} (a job that fails leaves the others scored; a child that dies or
+    overruns `timeout_minutes` fails the jobs it had not finished and is started afresh for the next batch).
+    Its output goes to LOG. With vLLM's backend each model holds an engine process of its own, so there
+    the child ends after each batch and returns everything it held."""
+
+    def __init__(self, include: Path, cfg: EvalCfg, log: Path):
+        self.include, self.cfg, self.log = include, cfg, log
+        self.proc: subprocess.Popen | None = None
+        self.launches = 0
+
+    def __enter__(self) -> EvalWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def run(self, jobs: list[EvalJob]) -> list[dict[str, Any]]:
+        outs = [Path(job.out) for job in jobs]
+        for out in outs:
+            out.unlink(missing_ok=True)
+        spec = outs[0].with_name(f"{outs[0].stem}.jobs.json")
+        spec.write_text(json.dumps([asdict(job) for job in jobs]))
+        models = ", ".join(sorted({job.model for job in jobs}))
+        died = None
+        try:
+            proc = self._started()
+            proc.stdin.write(f"{spec}\n".encode())
+            proc.stdin.flush()
+            if not select.select([proc.stdout], [], [], self.cfg.timeout_minutes * 60)[0]:
+                proc.kill()
+                died = f"evaluating {models} took over {self.cfg.timeout_minutes:g} min (evaluation.timeout_minutes): killed"
+            elif proc.stdout.readline() != b"done\n":
+                died = f"evaluating {models} failed (exit {proc.wait()}):\n{self._log_tail()}"
+        except BrokenPipeError:
+            died = f"evaluating {models} failed (exit {self.proc.wait()}):\n{self._log_tail()}"
+        if died or self.cfg.backend == "vllm":
+            self.close()
+        missing = {"error": died or "the evaluation child wrote no results"}
+        return [json.loads(out.read_text()) if out.is_file() else missing for out in outs]
+
+    def close(self) -> None:
+        """End the child: it exits at the end of its input (killed if it does not within 30 s)."""
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+
+    def _started(self) -> subprocess.Popen:
+        if self.proc is not None and self.proc.poll() is None:
+            return self.proc
+        command = [sys.executable, "-m", "tasks.evaluation.harness", str(self.include), "--config", self.cfg.model_dump_json()]
+        env = {**os.environ, "OMP_NUM_THREADS": str(thread_count(self.cfg.threads)), "TOKENIZERS_PARALLELISM": "false"}
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:  # niced by `nice(1)`: a preexec_fn is unsafe in a threaded process (the follower's)
+            niced = ["nice", "-n", str(self.cfg.nice), *command]
+            self.proc = subprocess.Popen(niced, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, bufsize=0)
+        self.launches += 1
+        return self.proc
+
+    def _log_tail(self, lines: int = 15) -> str:
+        return "\n".join(self.log.read_text(errors="replace").strip().splitlines()[-lines:]) if self.log.is_file() else ""
 
 
 def run_jobs(jobs: list[EvalJob], include: Path, cfg: EvalCfg) -> None:
@@ -212,17 +270,31 @@ def run_jobs(jobs: list[EvalJob], include: Path, cfg: EvalCfg) -> None:
         os.replace(tmp, out)
 
 
+def serve(include: Path, cfg: EvalCfg) -> None:
+    """The child's side of `EvalWorker`: a jobs file per line of stdin, "done" on stdout once its results are written."""
+    die_with_parent()  # a killed flow leaves no evaluation running
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # what lm-eval, torch or vLLM print goes to the log, never into the replies
+    for line in sys.stdin:
+        run_jobs([EvalJob(**job) for job in json.loads(Path(line.strip()).read_text())], include, cfg)
+        gc.collect()  # the batch's models
+        reply.write("done\n")
+        reply.flush()
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Evaluate HF model folders with lm-eval (started by smolflow).")
-    parser.add_argument("jobs", type=Path, help="JSON list of jobs: {model: HF folder, tasks: [...], chat: bool, out: JSON file}")
+    parser = argparse.ArgumentParser(
+        description="Evaluate HF model folders with lm-eval (started by smolflow): reads the path of a jobs file per line "
+        "of stdin (a JSON list of {model: HF folder, tasks: [...], chat: bool, out: JSON file}) and prints 'done' once "
+        "its results are written."
+    )
     parser.add_argument("include", type=Path, help="folder of resolved lm-eval task YAMLs")
     parser.add_argument("--config", required=True, help="the recipe's evaluation section, as JSON")
     args = parser.parse_args()
     import logging
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    jobs = [EvalJob(**job) for job in json.loads(args.jobs.read_text())]
-    run_jobs(jobs, args.include, EvalCfg.model_validate_json(args.config))
+    serve(args.include, EvalCfg.model_validate_json(args.config))
 
 
 if __name__ == "__main__":

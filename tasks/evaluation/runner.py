@@ -20,7 +20,7 @@ from pathlib import Path
 from infra.recipe import EvalCfg, S3Cfg
 from infra.storage import Mirror, download_folder
 from model.checkpoint import mark_evaluated
-from tasks.evaluation.harness import EvalFailed, EvalJob, evaluate_in_child, tasks_without_data
+from tasks.evaluation.harness import EvalFailed, EvalJob, EvalWorker, tasks_without_data
 from tasks.evaluation.results import ModelRef, ResultStore, eval_key, main_metric
 
 
@@ -56,6 +56,7 @@ class Evaluator:
         self.store, self.include, self.work_dir, self.log = store, include, Path(work_dir), log
         self.mirror, self.s3, self.key = mirror, s3, eval_key(cfg)
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.worker = EvalWorker(include, self.cfg, self.work_dir / "child.log")  # started at the first batch, ended by run/follow
         self.no_data = tasks_without_data(include, cfg.checkpoint_tasks + cfg.model_tasks)
         for task, reason in self.no_data.items():
             log.warning("eval task %s is skipped: %s", task, reason)
@@ -67,7 +68,7 @@ class Evaluator:
         return [(pending, chat) for tasks, chat in groups if (pending := self.store.pending(model, tasks, self.key))]
 
     def evaluate(self, models: list[ModelRef], summary: EvalSummary) -> set[str]:
-        """Score each model on its pending tasks, all in one child process; returns the fingerprints of
+        """Score each model on its pending tasks, in one batch of the child; returns the fingerprints of
         those that failed (or moved away mid-evaluation)."""
         failed: set[str] = set()
         with ExitStack() as claims:
@@ -80,7 +81,7 @@ class Evaluator:
                     summary.busy.append(model.label)
                 elif jobs := self._jobs(model, groups, summary, failed):
                     batch.append((model, jobs))
-            results = iter(evaluate_in_child([job for _, jobs in batch for job in jobs], self.include, self.cfg) if batch else [])
+            results = iter(self.worker.run([job for _, jobs in batch for job in jobs]) if batch else [])
             for model, jobs in batch:
                 scored = [next(results) for _ in jobs]
                 try:
@@ -121,7 +122,8 @@ class Evaluator:
 
     def run(self, models: list[ModelRef]) -> EvalSummary:
         summary, started = EvalSummary(), time.time()
-        self.evaluate(models, summary)
+        with self.worker:
+            self.evaluate(models, summary)
         summary.seconds = time.time() - started
         return summary
 
@@ -130,17 +132,18 @@ class Evaluator:
         process can score: a model another process is scoring is waited for (one poll at a time, never in a
         busy loop) while training runs, and left to that process (counted as busy) once `stop` is set."""
         summary, started, failures = EvalSummary(), time.time(), {}
-        while True:
-            finishing = stop.is_set()
-            todo = [m for m in discover() if self.task_groups(m) and failures.get(m.fingerprint, 0) < max_failures]
-            busy = len(summary.busy)
-            for fingerprint in self.evaluate(todo, summary):
-                failures[fingerprint] = failures.get(fingerprint, 0) + 1
-            progressed = len(todo) > len(summary.busy) - busy  # some model was not left to another process
-            if finishing and not progressed:
-                break
-            if not progressed:
-                stop.wait(self.cfg.poll_seconds)
+        with self.worker:
+            while True:
+                finishing = stop.is_set()
+                todo = [m for m in discover() if self.task_groups(m) and failures.get(m.fingerprint, 0) < max_failures]
+                busy = len(summary.busy)
+                for fingerprint in self.evaluate(todo, summary):
+                    failures[fingerprint] = failures.get(fingerprint, 0) + 1
+                progressed = len(todo) > len(summary.busy) - busy  # some model was not left to another process
+                if finishing and not progressed:
+                    break
+                if not progressed:
+                    stop.wait(self.cfg.poll_seconds)
         summary.busy = sorted(set(summary.busy) - set(summary.evaluated))
         summary.failed = {k: v for k, v in summary.failed.items() if k not in summary.evaluated}
         summary.seconds = time.time() - started
