@@ -277,7 +277,9 @@ def serve(include: Path, cfg: EvalCfg) -> None:
     os.dup2(2, 1)  # what lm-eval, torch or vLLM print goes to the log, never into the replies
     for line in sys.stdin:
         run_jobs([EvalJob(**job) for job in json.loads(Path(line.strip()).read_text())], include, cfg)
-        gc.collect()  # the batch's models
+        gc.collect()  # the batch's models; on a GPU also the memory torch keeps cached for them, which a trainer beside it may need
+        if (torch := sys.modules.get("torch")) is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
         reply.write("done\n")
         reply.flush()
 
