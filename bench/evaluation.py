@@ -42,7 +42,7 @@ def main() -> None:
     every_core = cfg.model_copy(update={"threads": cores()})
 
     def batches(cfg, *batches):  # one child for these batches of jobs
-        with EvalWorker(include, cfg, work / "child.log") as worker:
+        with EvalWorker(include, cfg, work) as worker:
             for batch in batches:
                 worker.run(batch)
 

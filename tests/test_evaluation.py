@@ -147,12 +147,15 @@ def test_the_follower_scores_successive_batches_in_one_child_and_a_dead_child_is
     summary = ev.follow(discover, stop)
     assert summary.evaluated == [r.label for r in refs] and not summary.failed
     assert ev.worker.launches == 1 and ev.worker.proc is None, "one child for both batches, ended with the follower"
+    assert not list(ev.work_dir.glob("eval-child-*.log")), "a child that ended cleanly leaves no log"
 
     job = [EvalJob(str(folders[0]), ["smol_arithmetic_cf"], False, str(tmp_path / "again.json"))]
     with ev.worker as worker:
         threading.Timer(3.0, lambda: worker.proc.kill()).start()  # mid-batch: the child's imports alone take longer
         [died] = worker.run(job)
         assert "exit -9" in died["error"], died
+        [kept] = ev.work_dir.glob("eval-child-*.log")
+        assert str(kept) in died["error"], "the dead child's output is kept and named"
         [scored] = worker.run(job)
     first = ev.store.get(refs[0].fingerprint)["tasks"]["smol_arithmetic_cf"]["metrics"]
     assert worker.launches == 3 and scored["metrics"]["smol_arithmetic_cf"]["acc"] == first["acc"]

@@ -27,6 +27,7 @@ import re
 import select
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -188,12 +189,14 @@ class EvalWorker:
     """A niced child process that scores batches of jobs until `close`: `run(jobs)` returns, per job,
     {"metrics", "seconds"} or {"error"} (a job that fails leaves the others scored; a child that dies or
     overruns `timeout_minutes` fails the jobs it had not finished and is started afresh for the next batch).
-    Its output goes to LOG. With vLLM's backend each model holds an engine process of its own, so there
-    the child ends after each batch and returns everything it held."""
+    Its output goes to a log file in LOG_DIR, kept only if the child died (the error names it). With vLLM's
+    backend each model holds an engine process of its own, so there the child ends after each batch and
+    returns everything it held."""
 
-    def __init__(self, include: Path, cfg: EvalCfg, log: Path):
-        self.include, self.cfg, self.log = include, cfg, log
+    def __init__(self, include: Path, cfg: EvalCfg, log_dir: Path):
+        self.include, self.cfg, self.log_dir = include, cfg, log_dir
         self.proc: subprocess.Popen | None = None
+        self.log: Path | None = None
         self.launches = 0
 
     def __enter__(self) -> EvalWorker:
@@ -218,15 +221,15 @@ class EvalWorker:
                 proc.kill()
                 died = f"evaluating {models} took over {self.cfg.timeout_minutes:g} min (evaluation.timeout_minutes): killed"
             elif proc.stdout.readline() != b"done\n":
-                died = f"evaluating {models} failed (exit {proc.wait()}):\n{self._log_tail()}"
+                died = f"evaluating {models} failed (exit {proc.wait()}; its output: {self.log}):\n{self._log_tail()}"
         except BrokenPipeError:
-            died = f"evaluating {models} failed (exit {self.proc.wait()}):\n{self._log_tail()}"
+            died = f"evaluating {models} failed (exit {self.proc.wait()}; its output: {self.log}):\n{self._log_tail()}"
         if died or self.cfg.backend == "vllm":
-            self.close()
+            self.close(keep_log=bool(died))
         missing = {"error": died or "the evaluation child wrote no results"}
         return [json.loads(out.read_text()) if out.is_file() else missing for out in outs]
 
-    def close(self) -> None:
+    def close(self, keep_log: bool = False) -> None:
         """End the child: it exits at the end of its input (killed if it does not within 30 s)."""
         if self.proc is None:
             return
@@ -237,21 +240,25 @@ class EvalWorker:
         except (OSError, subprocess.TimeoutExpired):
             proc.kill()
             proc.wait()
+        if not keep_log:
+            self.log.unlink(missing_ok=True)
 
     def _started(self) -> subprocess.Popen:
         if self.proc is not None and self.proc.poll() is None:
             return self.proc
         command = [sys.executable, "-m", "tasks.evaluation.harness", str(self.include), "--config", self.cfg.model_dump_json()]
         env = {**os.environ, "OMP_NUM_THREADS": str(thread_count(self.cfg.threads)), "TOKENIZERS_PARALLELISM": "false"}
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as log:  # niced by `nice(1)`: a preexec_fn is unsafe in a threaded process (the follower's)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        fd, log = tempfile.mkstemp(prefix="eval-child-", suffix=".log", dir=self.log_dir)  # evaluators may share a run dir
+        self.log = Path(log)
+        with os.fdopen(fd, "wb") as out:  # niced by `nice(1)`: a preexec_fn is unsafe in a threaded process (the follower's)
             niced = ["nice", "-n", str(self.cfg.nice), *command]
-            self.proc = subprocess.Popen(niced, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, bufsize=0)
+            self.proc = subprocess.Popen(niced, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out, bufsize=0)
         self.launches += 1
         return self.proc
 
     def _log_tail(self, lines: int = 15) -> str:
-        return "\n".join(self.log.read_text(errors="replace").strip().splitlines()[-lines:]) if self.log.is_file() else ""
+        return "\n".join(self.log.read_text(errors="replace").strip().splitlines()[-lines:])
 
 
 def run_jobs(jobs: list[EvalJob], include: Path, cfg: EvalCfg) -> None:

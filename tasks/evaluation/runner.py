@@ -56,7 +56,7 @@ class Evaluator:
         self.store, self.include, self.work_dir, self.log = store, include, Path(work_dir), log
         self.mirror, self.s3, self.key = mirror, s3, eval_key(cfg)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.worker = EvalWorker(include, self.cfg, self.work_dir / "child.log")  # started at the first batch, ended by run/follow
+        self.worker = EvalWorker(include, self.cfg, self.work_dir)  # started at the first batch, ended by run/follow
         self.no_data = tasks_without_data(include, cfg.checkpoint_tasks + cfg.model_tasks)
         for task, reason in self.no_data.items():
             log.warning("eval task %s is skipped: %s", task, reason)
