@@ -215,14 +215,3 @@ def test_minhash_signatures_hash_the_same_shingles_as_datatrove():
     for text in texts:
         assert np.array_equal(theirs.get_shingles(text), ours.get_shingles(text)), text[:40]
     assert len(ours.get_shingles(texts[1])) > 0 and len(ours.get_shingles(texts[2])) == 0
-
-
-def test_a_curation_task_imports_neither_torch_nor_transformers():
-    """Each task on Slurm or Ray is a fresh process that unpickles the pipeline, importing this module; torch and
-    transformers would cost it ~5 s of CPU for nothing it runs."""
-    import subprocess
-    import sys
-
-    code = "import sys, tasks.curation.pipelines; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert out.returncode == 0 and out.stdout.split() == ["[]"], out.stdout + out.stderr

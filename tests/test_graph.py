@@ -151,10 +151,19 @@ def test_layers_point_one_way():
     assert not _imports("bench") & {"tests"}
 
 
-def test_the_flows_import_no_training_library():
-    """Every CLI command and Prefect flow process imports the graph; torch, transformers and datasketch belong to
-    the trainer, generation and eval processes it launches (they cost a flow ~10 s of CPU before it does anything)."""
-    code = "import sys, flows.cli, flows.pipeline; print(sorted({'torch', 'transformers', 'datasketch', 'deepspeed'} & set(sys.modules)))"
+@pytest.mark.parametrize(
+    "modules",
+    [
+        # every CLI command and Prefect flow process imports the graph
+        "flows.cli, flows.pipeline",
+        # each curation task on Slurm or Ray is a fresh process that unpickles its pipeline, importing this module
+        "tasks.curation.pipelines",
+    ],
+)
+def test_short_lived_processes_import_no_training_library(modules):
+    """torch, transformers, datasketch and deepspeed belong to the trainer, generation and eval processes; each costs
+    a process seconds of CPU before it does anything (~10 s for transformers' model code on 2 cores)."""
+    code = f"import sys, {modules}; print(sorted({{'torch', 'transformers', 'datasketch', 'deepspeed'}} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0 and out.stdout.split() == ["[]"], out.stdout + out.stderr
 

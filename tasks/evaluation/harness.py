@@ -212,18 +212,18 @@ class EvalWorker:
         spec = outs[0].with_name(f"{outs[0].stem}.jobs.json")
         spec.write_text(json.dumps([asdict(job) for job in jobs]))
         models = ", ".join(sorted({job.model for job in jobs}))
-        died = None
+        died, proc = None, self._started()
         try:
-            proc = self._started()
             proc.stdin.write(f"{spec}\n".encode())
             proc.stdin.flush()
-            if not select.select([proc.stdout], [], [], self.cfg.timeout_minutes * 60)[0]:
-                proc.kill()
-                died = f"evaluating {models} took over {self.cfg.timeout_minutes:g} min (evaluation.timeout_minutes): killed"
-            elif proc.stdout.readline() != b"done\n":
-                died = f"evaluating {models} failed (exit {proc.wait()}; its output: {self.log}):\n{self._log_tail()}"
+            answered = select.select([proc.stdout], [], [], self.cfg.timeout_minutes * 60)[0]
         except BrokenPipeError:
-            died = f"evaluating {models} failed (exit {self.proc.wait()}; its output: {self.log}):\n{self._log_tail()}"
+            answered = True  # it died before reading the batch: the read below sees its end
+        if not answered:
+            proc.kill()
+            died = f"evaluating {models} took over {self.cfg.timeout_minutes:g} min (evaluation.timeout_minutes): killed"
+        elif proc.stdout.readline() != b"done\n":
+            died = f"evaluating {models} failed (exit {proc.wait()}; its output: {self.log}):\n{self._log_tail()}"
         if died or self.cfg.backend == "vllm":
             self.close(keep_log=bool(died))
         missing = {"error": died or "the evaluation child wrote no results"}
