@@ -18,10 +18,13 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip setuptools wheel
 	# torch is pinned to 2.13.0: pip takes its CPU wheel from local disk (an unpinned torch pulls CUDA)
-	$(BIN)/pip install -q -e '.[test,cluster,$(VLLM)]' --config-settings editable_mode=compat
+	$(BIN)/pip install -q --no-compile -e '.[test,cluster,$(VLLM)]' --config-settings editable_mode=compat
 	# vLLM brings torchvision/torchaudio/torchcodec wheels whose operators do not load against this torch,
 	# which then breaks transformers' model imports; text models need none of them
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	# bytecode on every core, not serially inside pip (`make setup` 247 -> 193 s on 2 cores); like pip's own
+	# pass it skips files that do not compile (torch's Python 3.12-only test file), hence `|| true`
+	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -80,3 +80,18 @@ def apply_vllm_defaults() -> None:
     """VLLM_DEFAULTS where unset; vLLM reads them when an engine starts."""
     for key, value in VLLM_DEFAULTS.items():
         os.environ.setdefault(key, value)
+
+
+def skip_deepspeed_shm_build() -> None:
+    """On CPU, mark DeepSpeed's shared-memory all-reduce op incompatible before its process group starts.
+
+    Otherwise DeepSpeed's first init on a machine compiles the op with g++ (~100 CPU-s: minutes on 2
+    cores, and again for every venv path), yet only its inference all-reduce calls it; training reduces
+    over gloo. With CUDA, DeepSpeed has no such op to build.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

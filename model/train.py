@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from infra.env import thread_count
+from infra.env import skip_deepspeed_shm_build, thread_count
 from infra.procs import PREEMPTED, PREEMPTED_MARK, die_with_parent, watch_owner
 from infra.recipe import S3Cfg, SpikeCfg
 from infra.storage import Mirror
@@ -66,9 +66,7 @@ def setup_distributed() -> tuple[int, int]:
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         os.environ.setdefault(key, value)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if not torch.cuda.is_available():
-        # the shared-memory allreduce op is compiled with g++ on first use (minutes); gloo needs none of it
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    skip_deepspeed_shm_build()
     if not torch.distributed.is_initialized() and os.environ["WORLD_SIZE"] == "1":
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     if not torch.distributed.is_initialized():

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from infra.env import skip_deepspeed_shm_build
 from infra.procs import die_with_parent, watch_owner
 from infra.recipe import APOCfg, GRPOCfg, SFTCfg
 from infra.storage import write_json_atomic
@@ -59,6 +61,8 @@ def main() -> None:
     die_with_parent()
     watch_owner()
     load_cpu_index_locations()
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # `accelerate launch` with a DeepSpeed config
+        skip_deepspeed_shm_build()
     job = PostJob.model_validate_json(args.job.read_text())
     result = run(job)
     from accelerate import PartialState

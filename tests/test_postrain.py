@@ -467,11 +467,13 @@ def weights(path: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_two_ranks_train_the_same_sft_curve_as_one_rank_at_the_same_global_batch(base, tmp_path):
+def test_two_ranks_train_the_same_sft_curve_as_one_rank_at_the_same_global_batch(base, tmp_path, monkeypatch):
     """DDP (gloo) and DeepSpeed ZeRO-3 on 2 ranks, 4 sequences each, against 1 rank of 8: the same batches
     (accelerate shards each global batch across ranks), the loss averaged over the same tokens."""
     from tasks.postrain import train
 
+    extensions = tmp_path / "torch_extensions"  # where DeepSpeed would JIT-compile an op (its shm all-reduce: minutes)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
     runs = {}
     for nproc, zero in [(1, 0), (2, 0), (2, 3)]:
         cfg, sft, data = launched_sft(tmp_path / f"{nproc}-zero{zero}", nproc, zero)
@@ -489,6 +491,7 @@ def test_two_ranks_train_the_same_sft_curve_as_one_rank_at_the_same_global_batch
         final = weights(tmp_path / f"2-zero{key[1]}" / "final")
         assert max((final[k] - reference[k]).abs().max().item() for k in reference) < 1e-4
         assert (tmp_path / f"2-zero{key[1]}" / "weak" / "model.safetensors").exists()
+    assert not extensions.exists(), "DeepSpeed compiled an op that training does not use"
 
 
 def rank_processes() -> dict[int, int]:
