@@ -48,7 +48,7 @@ def load_cpu_index_locations() -> None:
 
 
 def run(job: PostJob) -> dict[str, Any]:
-    """Only the job's stage is imported: TRL's GRPO module loads vLLM, ~8 s more on every SFT or APO rank."""
+    """Only the job's stage is imported: TRL's GRPO module loads vLLM, 5-7 s more on every SFT or APO rank."""
     cfg_cls = {"sft": SFTCfg, "apo": APOCfg, "grpo": GRPOCfg}[job.stage]
     trainer = getattr(importlib.import_module(f"postrain.{job.stage}"), f"run_{job.stage}")
     return trainer(job.model, read_jsonl(Path(job.data)), cfg_cls.model_validate(job.config), Path(job.out), job.seed)
