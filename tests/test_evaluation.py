@@ -338,6 +338,11 @@ def test_report_card_from_a_run_dir(tmp_path):
     (run / "sft" / "manifest.json").write_text(
         json.dumps({"name": "sft", "step_id": "y", "fingerprint": "g", "seconds": 30.0, "summary": ladder})
     )
+    apo_eval = {"accuracy": 0.2, "mean_answer_tokens": 19.0, "by_family": {"arithmetic": 0.4, "word_problem": 0.0}}
+    (run / "apo").mkdir()
+    (run / "apo" / "manifest.json").write_text(
+        json.dumps({"name": "apo", "step_id": "w", "fingerprint": "i", "seconds": 9.0, "summary": {"eval": apo_eval}})
+    )
     (run / "chat_data").mkdir()
     chats = {"name": "chat_data", "step_id": "z", "fingerprint": "h", "seconds": 1.0, "summary": {"train": 90, "sign_slips": 7}}
     (run / "chat_data" / "manifest.json").write_text(json.dumps(chats))
@@ -361,7 +366,9 @@ def test_report_card_from_a_run_dir(tmp_path):
     assert "| phase1/step00000005 | 0.300 | 2.500 |" in text
     assert "| sft | 25.0% | arithmetic 50.0%, word_problem 0.0% |  | 20.0 |" in text  # per family, as the card shows it
     assert "drop the minus sign of 7 negative answers" in text  # a planted teacher flaw is said beside the ladder
-    assert "**3 of 17 steps finished** (pretrain_phase1, chat_data, sft)" in text
+    assert "**Held-out accuracy falls: apo is 5.0 points under sft.**" in text  # a rung that costs accuracy is said
+    assert "base is" not in text and "sft is" not in text, "only a rung under the one below it"
+    assert "**4 of 17 steps finished** (pretrain_phase1, chat_data, sft, apo)" in text
     assert "## Curation" in text and "_not run yet_" in text  # sections without data say so
 
 

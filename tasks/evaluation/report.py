@@ -208,6 +208,16 @@ def ladder(models: list[tuple[str, StepOutput]]) -> list[tuple[str, dict]]:
     return rungs
 
 
+def falls(rungs: list[tuple[str, dict]]) -> str | None:
+    """Each rung under the one below it, in words: a stage that costs accuracy must not hide in a table of figures."""
+    under = [
+        f"{name} is {100 * (below['accuracy'] - e['accuracy']):.1f} points under {below_name}"
+        for (below_name, below), (name, e) in zip(rungs, rungs[1:])
+        if e["accuracy"] < below["accuracy"]
+    ]
+    return f"Held-out accuracy falls: {'; '.join(under)}." if under else None
+
+
 def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir: Path, card: Card, slips: int) -> list[str]:
     """SLIPS: the planted sign slips in the SFT data, said beside the ladder so no reader takes SFT's lost signs for a defect."""
     import matplotlib.pyplot as plt
@@ -234,6 +244,8 @@ def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir:
     for n, e in rungs:
         family = ", ".join(f"{k} {v:.1%}" for k, v in e.get("by_family", {}).items())
         rows.append(f"| {n} | {e['accuracy']:.1%} | {family} | {f'{gen[n]:.1%}' if n in gen else ''} | {e['mean_answer_tokens']:.1f} |")
+    if fell := falls(rungs):
+        rows += ["", f"**{fell}**"]
     if slips:
         rows += ["", sign_slips_note(slips)]
     return ["## Post-training ladder", "", f"![ladder]({path.relative_to(card.path.parent)})", "", *rows, ""]
