@@ -159,6 +159,7 @@ def grpo(cfg: GRPOStepCfg, inputs: Inputs, out: Path) -> dict:
 @stage_task("postrain-report", retries=1)
 def report(run_dir: Path, name: str, models: list[tuple[str, StepOutput]], pairs: StepOutput, steps: list[StepOutput]) -> Path:
     """The post-training ladder: base -> SFT -> APO -> GRPO, accuracy and answer length."""
+    rungs = ladder(models)
     rows = [
         {
             "model": label,
@@ -166,11 +167,11 @@ def report(run_dir: Path, name: str, models: list[tuple[str, StepOutput]], pairs
             "mean_answer_tokens": round(e["mean_answer_tokens"], 1),
             **{f"acc_{k}": round(v, 3) for k, v in e["by_family"].items()},
         }
-        for label, e in ladder(models)
+        for label, e in rungs
     ]
     lines = ["# Post-training", "", "| model | held-out accuracy | mean answer tokens |", "|---|---|---|"]
     lines += [f"| {r['model']} | {r['accuracy']:.1%} | {r['mean_answer_tokens']:.1f} |" for r in rows]
-    if fell := falls(ladder(models)):
+    if fell := falls(rungs):
         run_logger().warning("post-training ladder: %s", fell)
         lines += ["", f"**{fell}**"]
     lines += ["", f"Preference pairs: {json.dumps(pairs.summary)}", "", "| step | step id | seconds to build |", "|---|---|---|"]
@@ -179,7 +180,7 @@ def report(run_dir: Path, name: str, models: list[tuple[str, StepOutput]], pairs
     rewards = models[-1][1].summary.get("reward", [])
     if rewards:
         lines += ["", "GRPO reward by step: " + ", ".join(f"{s}: {r:.3f}" for s, r in rewards)]
-    for label, e in ladder(models):
+    for label, e in rungs:
         lines += ["", f"**{label}** examples:"] + [f"- `{x['prompt']}` → `{x['completion']}`" for x in e["examples"]]
     markdown = "\n".join(lines) + "\n"
     path = run_dir / "reports" / "postrain.md"
