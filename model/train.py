@@ -336,6 +336,8 @@ def train(job: TrainJob) -> dict[str, Any]:
         if latest
         else f"{cfg.phase}: continuing from {job.init_from}/{init_tag} (weights and optimizer state)"
         if init_tag
+        else f"{cfg.phase}: from {job.init_from} (weights only: a fresh optimizer for RoPE theta {cfg.rope_theta:g})"
+        if cfg.long_context
         else f"{cfg.phase}: from scratch"
     )
     fpt, peak = flops_per_token(engine.module.config, cfg.seq_len), cfg.peak_flops or measure_peak_flops()
