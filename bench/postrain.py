@@ -1,10 +1,11 @@
-"""Benchmark: SFT steps of the tiny recipe with TRL's fused LM head scoring every position (its default
-off Triton devices) against scoring the labelled (answer) positions only (`score_labelled_tokens_only`).
+"""Benchmark: SFT steps of the tiny recipe with TRL's fused LM head as it is off Triton devices (every
+position, in tiles), scoring the labelled (answer) positions only (in tiles), and `cpu_lm_head` (the
+labelled positions in one plain projection).
 
 Same model (the tiny recipe's architecture, random weights, a 4,096-token BPE), same chats (the
 recipe's families), same 2 threads; the two sides alternate, twice each, each a fresh trainer from
 the same weights. Prints seconds per step (the trainer's own runtime over its steps), the final
-training loss of each side (equal: the same loss, computed on fewer rows) and the ratio.
+training loss of each side (equal: the same loss, computed on fewer rows) and the ratios to TRL's.
 
     .venv/bin/python bench/postrain.py [--steps 40]
 """
@@ -23,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import trl.trainer.utils as trl_utils  # noqa: E402
 
+import postrain.common as common  # noqa: E402
 from infra.recipe import load_recipe  # noqa: E402
 from model.network import build_model, model_config  # noqa: E402
 from postrain import data as chat  # noqa: E402
-from postrain.common import score_labelled_tokens_only  # noqa: E402
 from postrain.sft import build_trainer  # noqa: E402
 from tasks.curation import tokenizer as bpe  # noqa: E402
 
@@ -44,9 +45,9 @@ def main() -> None:
     rng = random.Random(0)
     words = [" ".join("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))) for _ in range(20)) for _ in range(5000)]
     texts = [m["content"] for row in rows for m in row["messages"]] + words  # words fill the vocabulary
-    every_position = trl_utils._use_triton
+    trl_default = trl_utils._use_triton, trl_utils._ChunkedLogProbFunction
     cfg = recipe.postrain.sft.model_copy(update={"max_steps": args.steps, "save_steps": 10**6, "logging_steps": args.steps})
-    runs: dict[str, list[tuple[float, float]]] = {"every position": [], "labelled only": []}
+    runs: dict[str, list[tuple[float, float]]] = {"TRL's head": [], "labelled, tiles": [], "cpu_lm_head": []}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         tok = bpe.save_hf(bpe.train_bpe(iter(texts), vocab_size=recipe.curate.tokenizer.train.vocab_size, min_frequency=1), root / "base")
@@ -54,10 +55,12 @@ def main() -> None:
         build_model(model_config(recipe.model, len(tok), 256, special_ids=special), seed=0).save_pretrained(root / "base")
         for i in range(2):
             for side in runs:
-                trl_utils._use_triton = every_position
-                if side == "labelled only":
-                    score_labelled_tokens_only()
-                trainer = build_trainer(str(root / "base"), rows, cfg, root / f"{side}-{i}".replace(" ", "-"), seed=0)
+                trl_utils._use_triton, trl_utils._ChunkedLogProbFunction = trl_default
+                if side == "labelled, tiles":
+                    trl_utils._use_triton = lambda device: True  # TRL's compact path; its folds keep their own check
+                elif side == "cpu_lm_head":
+                    common.cpu_lm_head()
+                trainer = build_trainer(str(root / "base"), rows, cfg, root / f"{side}-{i}".replace(" ", "-").replace(",", ""), seed=0)
                 out = trainer.train()
                 runs[side].append((out.metrics["train_runtime"] / args.steps, out.training_loss))
     print(f"tiny recipe SFT: hidden {recipe.model.hidden_size}, vocab {len(tok)}, batch {cfg.batch_size}, {args.steps} steps, 2 threads")
@@ -65,7 +68,9 @@ def main() -> None:
     for side, results in runs.items():
         print(f"{side:16}{' '.join(f'{s:.3f}' for s, _ in results):>22}{results[0][1]:12.4f}")
     mean = {side: sum(s for s, _ in results) / len(results) for side, results in runs.items()}
-    print(f"ratio (steps/s) labelled only / every position: {mean['every position'] / mean['labelled only']:.3f}x")
+    baseline, *others = runs
+    for side in others:
+        print(f"ratio (steps/s) {side} / {baseline}: {mean[baseline] / mean[side]:.3f}x")
 
 
 if __name__ == "__main__":

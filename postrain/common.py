@@ -126,28 +126,65 @@ def loss_history(log_history: list[dict[str, Any]], key: str = "loss") -> list[t
     return [(row["step"], row[key]) for row in log_history if key in row and "step" in row]
 
 
-def score_labelled_tokens_only() -> None:
-    """TRL's fused LM head (the SFT, APO and GRPO losses) projects only the labelled positions on Triton
-    devices, but every position elsewhere, so that tile shapes stay fixed for graph compilers (Neuron).
-    Eager CPU needs no fixed shapes, and prompts and padding are most of a chat batch: the same loss from
-    the answers alone makes a tiny-recipe SFT step 1.4x faster (bench/postrain.py). The folds stay
-    TRL's torch ones: its kernel module keeps its own check."""
+# the most logits one plain LM head builds at once (128 MiB of fp32); larger batches keep TRL's tiles
+PLAIN_HEAD_MAX_LOGITS = 2**25
+
+
+def plain_log_probs(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
+    """TRL's `ChunkedLogProbFunction` contract (log-probs of `targets` and the asked-for per-token extras)
+    in plain autograd ops: one projection and one log-softmax over all the rows' logits at once."""
+    import torch
+    import torch.nn.functional as F
+
+    z = F.linear(hidden, weight, bias).float() * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    log_p = (z / temperature).log_softmax(-1)
+    log_probs = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1) if "entropy" in outputs else None
+    with torch.no_grad():  # TRL marks these three non-differentiable
+        sq = (2 * log_p).logsumexp(-1) if "log_sum_sq_probs" in outputs else None
+        mean = (z / temperature).mean(-1) if "mean_logits" in outputs else None
+        top1 = log_p.argmax(-1) == targets if "is_top1" in outputs else None  # the first maximum, as TRL counts it
+    return log_probs, entropy, sq, mean, top1
+
+
+def cpu_lm_head() -> None:
+    """On CPU, TRL's fused LM head (the SFT, APO and GRPO losses) scores only the labelled positions,
+    through one plain projection while their logits are small.
+
+    Off Triton devices TRL projects every position, so that tile shapes stay fixed for graph compilers
+    (Neuron), and folds each tile in a dozen torch ops. Eager CPU needs no fixed shapes; prompts and
+    padding are most of a chat batch, and a 4k-vocabulary head's logits fit in memory: the same loss
+    and gradients make a tiny-recipe SFT step 1.6x faster (bench/postrain.py)."""
     import trl.trainer.utils as trl_utils
 
-    original = getattr(trl_utils, "_use_triton", None)
-    if original is None:
-        print("note: this TRL has no trl.trainer.utils._use_triton; its LM head scores prompts and padding too", flush=True)
+    original, tiled = getattr(trl_utils, "_use_triton", None), getattr(trl_utils, "_ChunkedLogProbFunction", None)
+    if original is None or tiled is None:
+        print("note: this TRL's fused LM head is not the one cpu_lm_head knows; it scores prompts and padding too", flush=True)
         return
-    if getattr(original, "labelled_only", False):
+    if hasattr(tiled, "original"):  # patched already
         return
     compact = lambda device: device.type == "cpu" or original(device)  # noqa: E731
-    compact.labelled_only = True
+    compact.original = original
     trl_utils._use_triton = compact
+
+    class Head:
+        """Plain while small, else TRL's tiles."""
+
+        original = tiled
+
+        @staticmethod
+        def apply(hidden, weight, *args):
+            small = hidden.device.type == "cpu" and hidden.shape[0] * weight.shape[0] <= PLAIN_HEAD_MAX_LOGITS
+            return plain_log_probs(hidden, weight, *args) if small else Head.original.apply(hidden, weight, *args)
+
+    trl_utils._ChunkedLogProbFunction = Head
 
 
 def train_and_save(trainer, out: Path, curves: dict[str, str]) -> dict[str, Any]:
     """Train from the newest complete checkpoint in `out` (if any), save `out/final`, return the logged curves."""
-    score_labelled_tokens_only()
+    cpu_lm_head()
     resume = last_complete_checkpoint(out / "checkpoints")
     state = json.loads((Path(resume) / "trainer_state.json").read_text()) if resume else {}
     if resume:

@@ -53,41 +53,54 @@ def test_sft_batches_train_assistant_tokens_only(base, tmp_path):
         assert "You are terse." in untrained and row["messages"][1]["content"] in untrained
 
 
-def test_on_cpu_the_fused_lm_head_scores_only_labelled_tokens_with_the_same_loss_and_gradient(base, tmp_path, monkeypatch):
+def test_on_cpu_the_fused_lm_head_projects_only_labelled_tokens_in_one_piece_with_the_same_loss_and_gradient(base, tmp_path, monkeypatch):
     import torch
     import trl.trainer.utils as trl_utils
 
-    from postrain.common import score_labelled_tokens_only
+    import postrain.common as common
     from postrain.sft import build_trainer
 
-    monkeypatch.setattr(trl_utils, "_use_triton", trl_utils._use_triton)  # undone after the test
-    scored, fused = [], trl_utils._ChunkedLogProbFunction
+    for name in ("_use_triton", "_ChunkedLogProbFunction"):  # TRL's own, even if a test before patched them; restored after
+        monkeypatch.setattr(trl_utils, name, getattr(getattr(trl_utils, name), "original", getattr(trl_utils, name)))
+    tiled, plain, rows_scored = trl_utils._ChunkedLogProbFunction, common.plain_log_probs, []
 
-    class Counting(fused):  # how many positions each loss projects through the LM head
+    class CountingTiles(tiled):  # how many positions each loss projects, and through which head
         @staticmethod
         def forward(ctx, hidden, *args):
-            scored.append(hidden.shape[0])
-            return fused.forward(ctx, hidden, *args)
+            rows_scored.append(("tiles", hidden.shape[0]))
+            return tiled.forward(ctx, hidden, *args)
 
-    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Counting)
+    def counting_plain(hidden, *args):
+        rows_scored.append(("plain", hidden.shape[0]))
+        return plain(hidden, *args)
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", CountingTiles)
+    monkeypatch.setattr(common, "plain_log_probs", counting_plain)
     rows = chat.generate(8, chat_families(), 49, 1)
     cfg = SFTCfg(learning_rate=1e-3, max_steps=1, batch_size=8, weak_checkpoint_step=1)
     trainer = build_trainer(str(base), rows, cfg, tmp_path, seed=0)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+    trainer.model.train()  # TRL logs the metrics of a training step
 
-    def loss_and_grad():
+    def loss_grad_metrics():
         trainer.model.zero_grad()
+        trainer._metrics["train"].clear()
         loss = trainer.compute_loss(trainer.model, dict(batch))
         loss.backward()
-        return loss.detach(), trainer.model.get_output_embeddings().weight.grad.clone()
+        metrics = {k: trainer._metrics["train"][k][-1] for k in ("entropy", "mean_token_accuracy")}
+        return loss.detach(), trainer.model.get_output_embeddings().weight.grad.clone(), metrics
 
-    every_loss, every_grad = loss_and_grad()
-    score_labelled_tokens_only()
-    labelled_loss, labelled_grad = loss_and_grad()
+    trl_loss, trl_grad, trl_metrics = loss_grad_metrics()
+    common.cpu_lm_head()
+    loss, grad, metrics = loss_grad_metrics()
     labelled = int((batch["labels"][:, 1:] != -100).sum())
-    assert scored == [batch["labels"][:, 1:].numel(), labelled] and labelled < scored[0] / 2  # answers are the minority
-    torch.testing.assert_close(labelled_loss, every_loss)
-    torch.testing.assert_close(labelled_grad, every_grad)
+    assert rows_scored == [("tiles", batch["labels"][:, 1:].numel()), ("plain", labelled)]
+    assert labelled < rows_scored[0][1] / 2  # answers are the minority of a chat batch
+    torch.testing.assert_close(loss, trl_loss)
+    torch.testing.assert_close(grad, trl_grad)
+    assert metrics == pytest.approx(trl_metrics, rel=1e-5)
+    monkeypatch.setattr(common, "PLAIN_HEAD_MAX_LOGITS", labelled * trainer.model.config.vocab_size - 1)
+    assert loss_grad_metrics()[0] == pytest.approx(float(trl_loss)) and rows_scored[-1] == ("tiles", labelled)  # too big: TRL's tiles
 
 
 def test_answers_are_extracted_and_verified():
