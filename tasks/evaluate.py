@@ -13,7 +13,6 @@ from pathlib import Path
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra.env import cores
 from infra.recipe import Recipe
 from infra.steps import Run, Step, StepOutput
 from infra.storage import Mirror, download_folder
@@ -40,12 +39,11 @@ class Models:
 def evaluator(
     recipe: Recipe, run_dir: Path, heldout: Path, mirror: Mirror | None, store: ResultStore | None = None, alone: bool = False
 ) -> Evaluator:
-    """`alone`: nothing else of the run is running (a stage's own evals), so its child takes every core."""
+    """`alone`: nothing else of the run is running (a stage's own evals; `Evaluator`)."""
     cfg = recipe.evaluation
     include = prepare_tasks(cfg.task_dirs, heldout, run_dir / "evals" / "tasks")
     store = store or ResultStore(str(run_dir / "evals" / "results"))
-    threads = cores() if alone else None
-    return Evaluator(cfg, store, include, run_dir / "evals" / "work", run_logger(), mirror, recipe.storage.s3, threads)
+    return Evaluator(cfg, store, include, run_dir / "evals" / "work", run_logger(), mirror, recipe.storage.s3, alone)
 
 
 def following(recipe: Recipe) -> bool:

@@ -161,6 +161,29 @@ def test_the_follower_scores_successive_batches_in_one_child_and_a_dead_child_is
     assert worker.launches == 3 and scored["metrics"]["smol_arithmetic_cf"]["acc"] == first["acc"]
 
 
+def test_stage_evaluations_in_one_process_share_one_child_and_another_run_ends_it(tmp_path, heldout):
+    """SFT, APO, GRPO and the evaluate stage each score their model alone: one child's imports, not four."""
+    from tasks.evaluation import harness
+
+    cfg = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=2)
+    include = prepare_tasks(cfg.task_dirs, heldout, tmp_path / "tasks")
+    folders = [save_micro_model(tmp_path / f"model{i}", seed=20 + i) for i in (1, 2)]
+    refs = [ModelRef(str(f), local_fingerprint(f), f"m{i}", "model", f"m{i}") for i, f in enumerate(folders, 1)]
+    workers = []
+    try:
+        for ref in refs:  # one stage after the other, each with its own evaluator
+            ev = Evaluator(cfg, ResultStore(str(tmp_path / "results")), include, tmp_path / "work", log, alone=True)
+            assert ev.run([ref]).evaluated == [ref.label]
+            workers.append(ev.worker)
+        first, second = workers
+        assert second is first and first.launches == 1 and first.proc.poll() is None, "the first stage's child scored both"
+        other = tmp_path / "other"
+        elsewhere = Evaluator(cfg, ResultStore(str(other / "results")), include, other / "work", log, alone=True)
+        assert elsewhere.worker is not first and first.proc is None, "another run's evaluation ends the idle child"
+    finally:
+        harness._end_kept()
+
+
 def test_unknown_task_names_the_task_dirs(tmp_path, heldout):
     from infra.errors import SmolflowError
     from tasks.evaluation.harness import run_tasks

@@ -10,12 +10,15 @@ with one thread, so evaluating checkpoints while the trainer runs slows training
 possible and a crash in lm-eval never takes the flow down with it. The child (`EvalWorker`) lives
 as long as its evaluator: the checkpoint follower hands it each batch of jobs (the checkpoints
 pending at once, a finished model's base and chat tasks) over its stdin, so its ~11 s of imports
-(lm-eval, torch, transformers) are paid once per stage, not once per batch beside the trainer.
+(lm-eval, torch, transformers) are paid once per stage, not once per batch beside the trainer. A
+stage's own evaluation (`kept_worker`) leaves its child to the next one in the same process: SFT,
+APO, GRPO and the evaluate stage of one pipeline share a child.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import gc
 import glob
@@ -28,6 +31,7 @@ import select
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -259,6 +263,39 @@ class EvalWorker:
 
     def _log_tail(self, lines: int = 15) -> str:
         return "\n".join(self.log.read_text(errors="replace").strip().splitlines()[-lines:])
+
+
+_kept: list[EvalWorker] = []  # at most one idle child: a long-lived process that scores many run dirs holds no more
+_kept_lock = threading.Lock()
+
+
+def kept_worker(include: Path, cfg: EvalCfg, log_dir: Path) -> EvalWorker:
+    """The idle child a stage's evaluation left in this process, if it serves the same tasks and config;
+    otherwise a new worker (and the idle child, of another run or config, is ended)."""
+    with _kept_lock:
+        idle = _kept.pop() if _kept else None
+    if idle is not None and (idle.include, idle.cfg, idle.log_dir) == (include, cfg, log_dir):
+        return idle
+    if idle is not None:
+        idle.close()
+    return EvalWorker(include, cfg, log_dir)
+
+
+def keep_worker(worker: EvalWorker) -> None:
+    """Leave WORKER's child running for the next `kept_worker` in this process (ended at exit)."""
+    with _kept_lock:
+        idle, _kept[:] = list(_kept), [worker]
+    for other in idle:
+        if other is not worker:
+            other.close()
+
+
+@atexit.register
+def _end_kept() -> None:
+    with _kept_lock:
+        idle, _kept[:] = list(_kept), []
+    for worker in idle:
+        worker.close()
 
 
 def run_jobs(jobs: list[EvalJob], include: Path, cfg: EvalCfg) -> None:

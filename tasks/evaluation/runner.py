@@ -17,10 +17,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra.env import cores
 from infra.recipe import EvalCfg, S3Cfg
 from infra.storage import Mirror, download_folder
 from model.checkpoint import mark_evaluated
-from tasks.evaluation.harness import EvalFailed, EvalJob, EvalWorker, tasks_without_data
+from tasks.evaluation.harness import EvalFailed, EvalJob, EvalWorker, keep_worker, kept_worker, tasks_without_data
 from tasks.evaluation.results import ModelRef, ResultStore, eval_key, main_metric
 
 
@@ -49,14 +50,16 @@ class Evaluator:
         log: logging.Logger | logging.LoggerAdapter,
         mirror: Mirror | None = None,
         s3: S3Cfg | None = None,
-        threads: int | None = None,
+        alone: bool = False,
     ):
-        """`threads` overrides `cfg.threads` (the count beside a trainer) where nothing else runs: a stage's own evals."""
-        self.cfg = cfg.model_copy(update={"threads": threads}) if threads else cfg
+        """`alone`: nothing else of the run is running (a stage's own evals), so the child takes every core
+        (`cfg.threads` is the count beside a trainer) and `run` leaves it to the next stage's (`kept_worker`)."""
+        self.cfg = cfg.model_copy(update={"threads": cores()}) if alone else cfg
         self.store, self.include, self.work_dir, self.log = store, include, Path(work_dir), log
-        self.mirror, self.s3, self.key = mirror, s3, eval_key(cfg)
+        self.mirror, self.s3, self.key, self.alone = mirror, s3, eval_key(cfg), alone
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.worker = EvalWorker(include, self.cfg, self.work_dir)  # started at the first batch, ended by run/follow
+        # started at the first batch, ended by run (or kept for the next stage) and follow
+        self.worker = kept_worker(include, self.cfg, self.work_dir) if alone else EvalWorker(include, self.cfg, self.work_dir)
         self.no_data = tasks_without_data(include, cfg.checkpoint_tasks + cfg.model_tasks)
         for task, reason in self.no_data.items():
             log.warning("eval task %s is skipped: %s", task, reason)
@@ -122,8 +125,15 @@ class Evaluator:
 
     def run(self, models: list[ModelRef]) -> EvalSummary:
         summary, started = EvalSummary(), time.time()
-        with self.worker:
+        try:
             self.evaluate(models, summary)
+        except BaseException:
+            self.worker.close()
+            raise
+        if self.alone:
+            keep_worker(self.worker)
+        else:
+            self.worker.close()
         summary.seconds = time.time() - started
         return summary
 
