@@ -51,7 +51,9 @@ def build_graph(recipe: Recipe) -> Graph:
 
     embedded = {}
     if any(s.format == "embedded" for s in recipe.sources):
-        config = curate.CorpusStepCfg(embedded=recipe.embedded, eval_sets=c.decontaminate.eval_sets, seed=recipe.seed, shards=ex.tasks)
+        config = curate.CorpusStepCfg(
+            embedded=recipe.embedded, eval_sets=c.decontaminate.eval_sets, seed=recipe.seed, shards=ex.tasks, workers=ex.workers
+        )
         embedded["embedded"] = add(Step("corpus", "curate", curate.build_corpus, config, watch=curate.corpus_files))
     config = curate.IngestStepCfg(sources=recipe.sources, executor=ex, strict=c.strict, s3=recipe.storage.s3)
     ingest = add(Step("ingest", "curate", curate.ingest, config, embedded, watch=curate.source_files))

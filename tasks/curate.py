@@ -14,6 +14,7 @@ from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from infra.env import cores
 from infra.errors import DataError
 from infra.recipe import (
     DecontaminateCfg,
@@ -49,6 +50,7 @@ class CorpusStepCfg(Strict):
     eval_sets: list[str]
     seed: int
     shards: int
+    workers: int = operational(1)  # the executor's; the corpus is parsed on this host's cores
 
 
 def corpus_files(cfg: CorpusStepCfg) -> dict[str, str]:
@@ -69,8 +71,9 @@ def build_corpus(cfg: CorpusStepCfg, inputs: Inputs, out: Path) -> dict:
     """The embedded corpus, built from the stdlib and generated math with no network."""
     e, root = cfg.embedded, corpus.stdlib_root()
     questions = corpus.read_eval_questions(cfg.eval_sets)
+    workers = min(cfg.workers, cores())
     counts = corpus.build_corpus(
-        root, _max_bytes(cfg), e.math_problems, e.problems_per_doc, e.max_value, cfg.seed, questions, out, cfg.shards
+        root, _max_bytes(cfg), e.math_problems, e.problems_per_doc, e.max_value, cfg.seed, questions, out, cfg.shards, workers
     )
     run_logger().info("embedded corpus: %s documents", counts)
     return {"docs": counts, "stdlib": str(root)}

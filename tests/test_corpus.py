@@ -10,12 +10,14 @@ from tasks.curation import corpus
 from tests.helpers import REPO
 
 
-def build(out, exclude=frozenset()):
-    return corpus.build_corpus(corpus.stdlib_root(), 300_000, 240, 12, 99, seed=7, exclude_questions=set(exclude), out=out, shards=2)
+def build(out, exclude=frozenset(), workers=1):
+    return corpus.build_corpus(
+        corpus.stdlib_root(), 300_000, 240, 12, 99, seed=7, exclude_questions=set(exclude), out=out, shards=2, workers=workers
+    )
 
 
-def test_corpus_is_deterministic(tmp_path):
-    counts_a, counts_b = build(tmp_path / "a"), build(tmp_path / "b")
+def test_corpus_is_deterministic_with_any_number_of_workers(tmp_path):
+    counts_a, counts_b = build(tmp_path / "a"), build(tmp_path / "b", workers=2)
     assert counts_a == counts_b and all(counts_a[d] > 0 for d in corpus.DOMAINS)
     files = lambda root: [(p.relative_to(root).as_posix(), p) for p in sorted(root.rglob("*.jsonl.gz"))]  # noqa: E731
     assert fingerprint_files(files(tmp_path / "a")) == fingerprint_files(files(tmp_path / "b"))
