@@ -139,12 +139,13 @@ def plain_log_probs(hidden, weight, bias, targets, temperature, chunk_size, soft
     z = F.linear(hidden, weight, bias).float() * logit_scale
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    log_p = (z / temperature).log_softmax(-1)
+    z = z / temperature
+    log_p = z.log_softmax(-1)
     log_probs = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_p.exp() * log_p).sum(-1) if "entropy" in outputs else None
     with torch.no_grad():  # TRL marks these three non-differentiable
         sq = (2 * log_p).logsumexp(-1) if "log_sum_sq_probs" in outputs else None
-        mean = (z / temperature).mean(-1) if "mean_logits" in outputs else None
+        mean = z.mean(-1) if "mean_logits" in outputs else None
         top1 = log_p.argmax(-1) == targets if "is_top1" in outputs else None  # the first maximum, as TRL counts it
     return log_probs, entropy, sq, mean, top1
 
