@@ -15,12 +15,10 @@ import functools
 import gzip
 import io
 import json
-import multiprocessing
 import random
 import sysconfig
 import tokenize
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,13 +111,14 @@ def module_docs(root: Path, path: Path) -> list[EmbeddedDoc]:
 
 def stdlib_docs(root: Path, max_bytes: int | None, workers: int = 1) -> Iterator[EmbeddedDoc]:
     """The documents of every module in file order, parsed by WORKERS processes (parsing and tokenizing 30 MB
-    of source in pure Python is most of the corpus's time; a forkserver, as this process runs threads)."""
+    of source in pure Python is most of the corpus's time)."""
     files = stdlib_files(root, max_bytes)
     read = functools.partial(module_docs, root)
     with contextlib.ExitStack() as stack:
         if workers > 1:
-            pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver")))
-            found = pool.map(read, files, chunksize=16)
+            from tasks.curation.pipelines import process_pool  # datatrove's imports, only when a pool is asked for
+
+            found = stack.enter_context(process_pool(workers)).imap(read, files, chunksize=16)
         else:
             found = map(read, files)
         for docs in tqdm(found, total=len(files), desc="stdlib modules", unit="file", mininterval=2, disable=len(files) < 200):

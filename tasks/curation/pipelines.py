@@ -97,6 +97,13 @@ def _preload_forkserver() -> None:
     multiprocess.get_context("forkserver").set_forkserver_preload(["__main__", __name__])
 
 
+def process_pool(workers: int):
+    """A pool of WORKERS processes started by the forkserver datatrove's local workers come from: one
+    server per process, its imports paid once (a forkserver, not fork: a flow's process runs threads)."""
+    _preload_forkserver()
+    return multiprocess.get_context("forkserver").Pool(workers)
+
+
 class SlurmExecutor(SlurmPipelineExecutor):
     """datatrove's Slurm executor without its stats-merge job: the task sums the per-task stats itself (read_stats),
     and a merge job would cost each pipeline a scheduling round and write into the step after it is committed."""
