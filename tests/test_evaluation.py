@@ -15,7 +15,7 @@ import pytest
 
 from flows.graph import build_graph
 from infra.errors import StepLocked
-from infra.recipe import EvalCfg, parse_recipe
+from infra.recipe import EvalCfg, load_recipe, parse_recipe
 from infra.steps import Step, finished, run_step
 from model.checkpoint import CheckpointStore, mark_evaluated
 from tasks.evaluation.harness import EvalJob, EvalWorker, prepare_tasks
@@ -25,6 +25,25 @@ from tasks.evaluation.runner import Evaluator
 from tests.helpers import REPO, micro_recipe
 
 log = logging.getLogger("test")
+
+
+def test_generative_tasks_score_the_answers_sign_and_let_a_worked_answer_finish():
+    import re
+
+    import yaml
+    from lm_eval.api.metrics import exact_match_fn
+
+    task = yaml.safe_load((REPO / "configs/evals/tasks/_generative.yaml").read_text())
+    pattern = task["filter_list"][0]["filter"][0]["regex_pattern"]
+    options = {k: v for k, v in task["metric_list"][0].items() if k.startswith("ignore")}
+
+    def score(completion: str, target: str) -> float:
+        return exact_match_fn(predictions=[re.findall(pattern, completion)[-1]], references=[target], **options)["exact_match"]
+
+    worked = "30 - 42 = -(42 - 30), 42 - 30: 2 - 0 = 2, 4 - 3 = 1. The answer is -12."
+    assert score(worked, "-12") == 1 and score(worked.replace("-12.", "12."), "-12") == 0
+    held_out = load_recipe(REPO / "configs/tiny.yaml").postrain.heldout_eval.max_new_tokens
+    assert task["generation_kwargs"]["max_gen_toks"] >= held_out
 
 
 def save_micro_model(out: Path, seed: int) -> Path:
