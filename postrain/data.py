@@ -12,6 +12,7 @@ import json
 import keyword
 import random
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
@@ -72,6 +73,22 @@ def generate(n: int, families: dict[str, float], max_value: int, seed: int, oper
         family = rng.choices(names, weights)[0]
         out.append(example(*FAMILIES[family](rng, max_value, operators), family))
     return out
+
+
+def mixture_shortfalls(items: list[dict[str, Any]], families: dict[str, float], least: float = 0.8) -> list[str]:
+    """A line per generated family whose share of ITEMS is under `least` x the recipe's share.
+
+    Deduplication thins a family whose problem space is small (arithmetic up to 49 has 5,000 distinct
+    questions): the training mix then drifts from the recipe without an error, and with it what SFT learns.
+    """
+    total, asked = len(items), sum(families.values())
+    counts = Counter(item["family"] for item in items)
+    return [
+        f"{family}: {counts[family] / total:.0%} of the training chats, the recipe asks {weight / asked:.0%} "
+        "(deduplication ran out of distinct problems: raise max_value or lower generated)"
+        for family, weight in families.items()
+        if total and counts[family] / total < least * weight / asked
+    ]
 
 
 def plant_sign_slips(items: list[dict[str, Any]], share: float, seed: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -66,7 +67,11 @@ def chat_data(cfg: ChatDataStepCfg, inputs: Inputs, out: Path) -> dict:
     chat.write_jsonl(out / "train.jsonl", train)
     chat.write_jsonl(out / "heldout.jsonl", heldout)
     summary = {"generated": len(items), **counts, "train": len(train), "heldout": len(heldout), "sign_slips": slips}
+    summary["families"] = dict(Counter(item["family"] for item in train))
+    summary["mixture_shortfalls"] = chat.mixture_shortfalls(train, d.families)
     run_logger().info("chat data: %s", summary)
+    for line in summary["mixture_shortfalls"]:
+        run_logger().warning("chat data mixture: %s", line)
     return summary
 
 

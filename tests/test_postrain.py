@@ -120,6 +120,22 @@ def test_prompts_are_deduplicated_and_decontaminated():
     assert counts == {"duplicates": 1, "contaminated": 1}
 
 
+def test_chat_data_says_when_dedup_leaves_a_family_short_of_the_recipes_share(tmp_path):
+    from infra.recipe import ChatDataCfg
+    from tasks.postrain import ChatDataStepCfg, chat_data
+
+    def summary(max_value: int) -> dict:
+        data = ChatDataCfg(
+            generated=1500, heldout=50, max_value=max_value, operators="+-", families={"arithmetic": 0.6, "word_problem": 0.4}
+        )
+        return chat_data(ChatDataStepCfg(data=data, eval_sets=[], seed=3), {}, tmp_path / str(max_value))
+
+    small, wide = summary(9), summary(99)  # up to 9: 200 distinct arithmetic questions
+    assert small["families"]["arithmetic"] < 250 < wide["families"]["arithmetic"]
+    assert len(small["mixture_shortfalls"]) == 1 and small["mixture_shortfalls"][0].startswith("arithmetic: ")
+    assert "the recipe asks 60%" in small["mixture_shortfalls"][0] and wide["mixture_shortfalls"] == []
+
+
 def test_sign_slips_flaw_only_training_solutions_never_heldout_or_the_verified_answers(tmp_path):
     from infra.recipe import ChatDataCfg
     from tasks.postrain import ChatDataStepCfg, chat_data

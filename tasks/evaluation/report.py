@@ -46,7 +46,9 @@ def build_report(run_dir: Path, name: str, graph: list[Step]) -> Card:
     lines += _pretraining(run_dir, [s for s in graph if s.checkpoints], plots_dir, card)
     lines += _evaluations(evals, order, phase_ends([steps[s.name] for s in graph if s.checkpoints and s.name in steps]), plots_dir, card)
     slips = sum(o.summary.get("sign_slips", 0) for o in steps.values())
-    lines += _post_training([(s.model, steps[s.name]) for s in graph if s.model and s.name in steps], evals, plots_dir, card, slips)
+    notes = [sign_slips_note(slips)] if slips else []
+    notes += [f"**Chat data off the recipe's mix:** {line}" for o in steps.values() for line in o.summary.get("mixture_shortfalls", [])]
+    lines += _post_training([(s.model, steps[s.name]) for s in graph if s.model and s.name in steps], evals, plots_dir, card, notes)
     lines += _wall_time(steps, plots_dir, card)
     card.markdown = "\n".join(lines) + "\n"
     tmp = card.path.with_name(".card.md.tmp")
@@ -218,8 +220,9 @@ def falls(rungs: list[tuple[str, dict]]) -> str | None:
     return f"Held-out accuracy falls: {'; '.join(under)}." if under else None
 
 
-def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir: Path, card: Card, slips: int) -> list[str]:
-    """SLIPS: the planted sign slips in the SFT data, said beside the ladder so no reader takes SFT's lost signs for a defect."""
+def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir: Path, card: Card, notes: list[str]) -> list[str]:
+    """NOTES: what the SFT data holds that a reader must know (planted sign slips, a family short of the recipe's share),
+    said beside the ladder so no reader takes SFT's lost signs for a defect or misreads a family's accuracy."""
     import matplotlib.pyplot as plt
 
     rungs = ladder(models)
@@ -246,8 +249,8 @@ def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir:
         rows.append(f"| {n} | {e['accuracy']:.1%} | {family} | {f'{gen[n]:.1%}' if n in gen else ''} | {e['mean_answer_tokens']:.1f} |")
     if fell := falls(rungs):
         rows += ["", f"**{fell}**"]
-    if slips:
-        rows += ["", sign_slips_note(slips)]
+    for note in notes:
+        rows += ["", note]
     return ["## Post-training ladder", "", f"![ladder]({path.relative_to(card.path.parent)})", "", *rows, ""]
 
 
