@@ -12,7 +12,6 @@ import json
 import keyword
 import random
 import re
-from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
@@ -75,19 +74,19 @@ def generate(n: int, families: dict[str, float], max_value: int, seed: int, oper
     return out
 
 
-def mixture_shortfalls(items: list[dict[str, Any]], families: dict[str, float], least: float = 0.8) -> list[str]:
-    """A line per generated family whose share of ITEMS is under `least` x the recipe's share.
+def mixture_shortfalls(counts: dict[str, int], families: dict[str, float], least: float = 0.8) -> list[str]:
+    """A line per generated family whose share of the generated chats (COUNTS by family; hub chats aside) is
+    under `least` x the recipe's share.
 
     Deduplication thins a family whose problem space is small (arithmetic up to 49 has 5,000 distinct
     questions): the training mix then drifts from the recipe without an error, and with it what SFT learns.
     """
-    total, asked = len(items), sum(families.values())
-    counts = Counter(item["family"] for item in items)
+    total, asked = sum(counts.get(f, 0) for f in families), sum(families.values())
     return [
-        f"{family}: {counts[family] / total:.0%} of the training chats, the recipe asks {weight / asked:.0%} "
+        f"{family}: {counts.get(family, 0) / total:.0%} of the training chats, the recipe asks {weight / asked:.0%} "
         "(deduplication ran out of distinct problems: raise max_value or lower generated)"
         for family, weight in families.items()
-        if total and counts[family] / total < least * weight / asked
+        if total and counts.get(family, 0) / total < least * weight / asked
     ]
 
 

@@ -68,7 +68,7 @@ def chat_data(cfg: ChatDataStepCfg, inputs: Inputs, out: Path) -> dict:
     chat.write_jsonl(out / "heldout.jsonl", heldout)
     summary = {"generated": len(items), **counts, "train": len(train), "heldout": len(heldout), "sign_slips": slips}
     summary["families"] = dict(Counter(item["family"] for item in train))
-    summary["mixture_shortfalls"] = chat.mixture_shortfalls(train, d.families)
+    summary["mixture_shortfalls"] = chat.mixture_shortfalls(summary["families"], d.families)
     run_logger().info("chat data: %s", summary)
     for line in summary["mixture_shortfalls"]:
         run_logger().warning("chat data mixture: %s", line)

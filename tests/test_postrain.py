@@ -134,6 +134,10 @@ def test_chat_data_says_when_dedup_leaves_a_family_short_of_the_recipes_share(tm
     assert small["families"]["arithmetic"] < 250 < wide["families"]["arithmetic"]
     assert len(small["mixture_shortfalls"]) == 1 and small["mixture_shortfalls"][0].startswith("arithmetic: ")
     assert "the recipe asks 60%" in small["mixture_shortfalls"][0] and wide["mixture_shortfalls"] == []
+    # hub chats are outside the recipe's families: they neither dilute a family nor stand for one
+    families = {"arithmetic": 0.6, "word_problem": 0.4}
+    assert chat.mixture_shortfalls({"arithmetic": 60, "word_problem": 40, "hub": 900}, families) == []
+    assert chat.mixture_shortfalls({"hub": 900}, families) == []
 
 
 def test_sign_slips_flaw_only_training_solutions_never_heldout_or_the_verified_answers(tmp_path):
