@@ -281,20 +281,23 @@ def kept_worker(include: Path, cfg: EvalCfg, log_dir: Path) -> EvalWorker:
     return EvalWorker(include, cfg, log_dir)
 
 
+def _replace_kept(workers: list[EvalWorker]) -> list[EvalWorker]:
+    """Set the idle children to WORKERS; the ones they replace, for the caller to end outside the lock."""
+    with _kept_lock:
+        idle, _kept[:] = list(_kept), workers
+    return idle
+
+
 def keep_worker(worker: EvalWorker) -> None:
     """Leave WORKER's child running for the next `kept_worker` in this process (ended at exit)."""
-    with _kept_lock:
-        idle, _kept[:] = list(_kept), [worker]
-    for other in idle:
+    for other in _replace_kept([worker]):
         if other is not worker:
             other.close()
 
 
 @atexit.register
 def _end_kept() -> None:
-    with _kept_lock:
-        idle, _kept[:] = list(_kept), []
-    for worker in idle:
+    for worker in _replace_kept([]):
         worker.close()
 
 
