@@ -4,8 +4,8 @@
 
 Wall time is the flow run's, from the Prefect API (the newest completed full-pipeline run unless
 an id is given). Work is the time inside task runs (the union of their intervals), gathered over the
-run and its subflow runs, less the eval follower: its task spans the whole pretraining stage, start-ups
-between phases included, so counting it would hide them; the rest is orchestration: flow
+run and its subflow runs, less the eval follower: its task spans every training stage, start-ups
+between phases and stages included, so counting it would hide them; the rest is orchestration: flow
 and subflow start-up, imports, state round trips between tasks. Printed as shares of the wall
 time, so the figure holds on a noisy machine. Steps' own timings come from their manifests.
 """
@@ -20,7 +20,7 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-FOLLOWER = "eval-follow"  # the task name of tasks/evaluate.py follow_checkpoints
+FOLLOWER = "eval-follow"  # the task name of tasks/evaluate.py follow
 
 
 def api(path: str, body: dict | None = None):

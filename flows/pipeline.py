@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -64,59 +66,72 @@ def curate_flow(recipe: str | None = None, run_dir: str | None = None, overrides
     return str(curate.report(run.run_dir, run.recipe.name, list(out.values()), run.recipe.curate.examples_per_filter, **roles))
 
 
-@flow(name="pretrain")
-def pretrain_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None) -> str:
-    """Pretrain on the curated mixtures in RUN_DIR, every checkpoint evaluated while the trainer runs;
-    returns the final model's folder."""
-    run, graph = open_run(recipe, run_dir, overrides)
-    available = upstream(run.run_dir, graph, ["pretrain"])  # before the follower starts
+@contextmanager
+def eval_follower(run: Run, graph: Graph, kinds: tuple[str, ...]) -> Iterator[None]:
+    """Scores the run's KINDS of models ("checkpoint", "model") as they are committed, beside the body;
+    no follower without KINDS or when the recipe turns following off."""
+    if not kinds or not ev.following(run.recipe):
+        yield
+        return
     stop = threading.Event()
-    follower = ev.follow_checkpoints.submit(run, graph.models, stop)  # scores checkpoints while the trainer runs
+    follower = ev.follow.submit(run, graph.models, stop, kinds)
     try:
-        out = run_steps(run, "pretrain", graph, available)
+        yield
     finally:
         stop.set()
         follower.wait()
+
+
+@flow(name="pretrain")
+def pretrain_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None, evals: bool = True) -> str:
+    """Pretrain on the curated mixtures in RUN_DIR, every checkpoint evaluated while the trainer runs (`evals`
+    False: the caller's follower scores them); returns the final model's folder."""
+    run, graph = open_run(recipe, run_dir, overrides)
+    available = upstream(run.run_dir, graph, ["pretrain"])  # before the follower starts
+    with eval_follower(run, graph, ("checkpoint",) if evals else ()):
+        out = run_steps(run, "pretrain", graph, available)
     phases = [out[s.name] for s in graph.phases]
     pretrain.report(run.run_dir, run.recipe.name, phases)
     return str(phases[-1].path / "final")
 
 
-def _post(stage: str, recipe: str | None, run_dir: str | None, overrides: list[str] | None) -> tuple[Run, Graph, dict[str, StepOutput]]:
-    """A post-training stage's steps; each model it leaves is scored right after its step."""
+def _post(
+    stage: str, recipe: str | None, run_dir: str | None, overrides: list[str] | None, evals: bool
+) -> tuple[Run, Graph, dict[str, StepOutput]]:
+    """A post-training stage's steps; with `evals` each model it leaves is scored right after its step."""
     run, graph = open_run(recipe, run_dir, overrides)
     out = run_steps(run, stage, graph)
     for step in graph.stage(stage):
-        if step.model:
+        if step.model and evals:
             ev.evaluate_model(run, graph.models, step, out[step.name])
     return run, graph, out
 
 
 @flow(name="sft")
-def sft_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None) -> str:
+def sft_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None, evals: bool = True) -> str:
     """Chat data and supervised fine-tuning of the pretrained model; returns the SFT model's folder."""
-    _, graph, out = _post("sft", recipe, run_dir, overrides)
+    _, graph, out = _post("sft", recipe, run_dir, overrides, evals)
     return str(out[graph.ladder[0].name].path / "final")
 
 
 @flow(name="preference")
-def preference_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None) -> str:
+def preference_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None, evals: bool = True) -> str:
     """Strong vs weak answers to the training prompts; returns the pairs file."""
-    _, graph, out = _post("preference", recipe, run_dir, overrides)
+    _, graph, out = _post("preference", recipe, run_dir, overrides, evals)
     return str(out[graph.pairs.name].path / "pairs.jsonl")
 
 
 @flow(name="apo")
-def apo_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None) -> str:
+def apo_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None, evals: bool = True) -> str:
     """APO on the preference pairs, from the SFT model; returns the APO model's folder."""
-    _, graph, out = _post("apo", recipe, run_dir, overrides)
+    _, graph, out = _post("apo", recipe, run_dir, overrides, evals)
     return str(out[graph.ladder[1].name].path / "final")
 
 
 @flow(name="grpo")
-def grpo_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None) -> str:
+def grpo_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None, evals: bool = True) -> str:
     """GRPO from the APO model, then the post-training report; returns the report's path."""
-    run, graph, out = _post("grpo", recipe, run_dir, overrides)
+    run, graph, out = _post("grpo", recipe, run_dir, overrides, evals)
     # the earlier steps are upstream of GRPO, so current: the report reads them as they are
     done = {s.name: out.get(s.name) or finished(run.run_dir, s.name) for s in graph.ladder + [graph.pairs]}
     models = [(s.model, done[s.name]) for s in graph.ladder]
@@ -142,11 +157,21 @@ def full_pipeline(recipe: str, run_dir: str | None = None, overrides: list[str] 
     run dir once, here: the stage flows read it from there."""
     if until is not None and until not in STAGES:
         raise ValueError(f"unknown stage {until!r}; stages: {', '.join(STAGES)}")
-    run, _ = open_run(recipe, run_dir, overrides)
+    run, graph = open_run(recipe, run_dir, overrides)
     chosen = list(STAGES[: STAGES.index(until) + 1] if until else STAGES)
     if "evaluate" not in chosen:
         chosen.append("evaluate")
-    return {name: STAGE_FLOWS[name](None, str(run.run_dir)) for name in chosen}
+    *stages, last = chosen  # the evaluate stage, once the follower is done
+    # one eval follower beside the training stages: checkpoints and models are scored on the cores the
+    # trainers leave idle, not between stages; it starts once the held-out documents its tasks read exist
+    ready = STAGES.index(graph.models.heldout.stage) + 1
+    results = {name: STAGE_FLOWS[name](None, str(run.run_dir)) for name in stages[:ready]}
+    follow = ev.following(run.recipe) and len(stages) > ready
+    with eval_follower(run, graph, ("checkpoint", "model") if follow else ()):
+        for name in stages[ready:]:
+            results[name] = STAGE_FLOWS[name](None, str(run.run_dir), evals=not follow)
+    results[last] = STAGE_FLOWS[last](None, str(run.run_dir))
+    return results
 
 
 @flow(name="scheduled-eval")

@@ -143,14 +143,24 @@ def test_killed_curate_run_resumes_to_the_same_result(tmp_path, prefect_server):
 
 
 @pytest.mark.slow
-def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_server):
+def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_server, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from flows.pipeline import full_pipeline
+    from tasks import evaluate as ev
+    from tasks.evaluation.results import ResultStore, local_fingerprint
 
+    left: list[dict] = []  # what the evaluate stage found unscored
+    evaluate_run = ev.evaluate_run
+    monkeypatch.setattr(ev, "evaluate_run", lambda *args: left.append(evaluate_run(*args)) or left[-1])
     recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe(**{"pretrain.tracking": "trackio"}))
     result = full_pipeline(str(recipe), str(tmp_path / "run"), until="pretrain")
     assert list(result) == ["curate", "pretrain", "evaluate"]  # the run is evaluated whatever stage it stops at
+    # the pipeline's one follower scored every checkpoint and the base model's chat tasks beside training
+    [found] = left
+    assert found["evaluated"] == [] and found["busy"] == [] and found["cached"], found
+    base = local_fingerprint(tmp_path / "run" / "pretrain_long_context" / "final")
+    assert "smol_arithmetic_gen" in ResultStore(str(tmp_path / "run" / "evals" / "results")).get(base)["tasks"]
     assert result["curate"].endswith("curate.md")
     final = Path(result["pretrain"])
     model = AutoModelForCausalLM.from_pretrained(final)
@@ -222,8 +232,6 @@ def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_ser
 
     turn = pipeline("text-generation", model=sft_final)([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=8)
     assert turn[0]["generated_text"][-1]["role"] == "assistant"  # the exported folder chats through its template
-
-    from tasks.evaluation.results import ResultStore, local_fingerprint
 
     # publishing: refused offline with the way out; the card it would upload has the lm-eval results recorded since
     smolflow = str(Path(sys.executable).parent / "smolflow")
