@@ -150,7 +150,8 @@ def main() -> None:
     (args.request.parent / "answers.json").write_text(json.dumps(answers))
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         # the engine ran in this process, so nothing outlives it: skip its teardown (distributed groups, the
-        # worker, the interpreter's), ~4 s on CPU that the step would wait for; a spawned engine core is shut down
+        # worker, the interpreter's), ~4 s on CPU that the step would wait for. A spawned engine core (GPUs)
+        # is shut down by the normal exit.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
