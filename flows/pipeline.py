@@ -67,16 +67,16 @@ def curate_flow(recipe: str | None = None, run_dir: str | None = None, overrides
 
 
 @contextmanager
-def eval_follower(run: Run, graph: Graph, kinds: tuple[str, ...]) -> Iterator[None]:
+def eval_follower(run: Run, graph: Graph, kinds: tuple[str, ...]) -> Iterator[bool]:
     """Scores the run's KINDS of models ("checkpoint", "model") as they are committed, beside the body;
-    no follower without KINDS or when the recipe turns following off."""
+    no follower without KINDS or when the recipe turns following off. Yields whether one follows."""
     if not kinds or not ev.following(run.recipe):
-        yield
+        yield False
         return
     stop = threading.Event()
     follower = ev.follow.submit(run, graph.models, stop, kinds)
     try:
-        yield
+        yield True
     finally:
         stop.set()
         follower.wait()
@@ -166,10 +166,9 @@ def full_pipeline(recipe: str, run_dir: str | None = None, overrides: list[str] 
     # trainers leave idle, not between stages; it starts once the held-out documents its tasks read exist
     ready = STAGES.index(graph.models.heldout.stage) + 1
     results = {name: STAGE_FLOWS[name](None, str(run.run_dir)) for name in stages[:ready]}
-    follow = ev.following(run.recipe) and len(stages) > ready
-    with eval_follower(run, graph, ("checkpoint", "model") if follow else ()):
+    with eval_follower(run, graph, ("checkpoint", "model") if stages[ready:] else ()) as following:
         for name in stages[ready:]:
-            results[name] = STAGE_FLOWS[name](None, str(run.run_dir), evals=not follow)
+            results[name] = STAGE_FLOWS[name](None, str(run.run_dir), evals=not following)
     results[last] = STAGE_FLOWS[last](None, str(run.run_dir))
     return results
 
