@@ -53,6 +53,7 @@ serve-stop: $(STAMP)
 	$(BIN)/smolflow server stop
 
 deploy: serve
+	$(BIN)/smolflow deployments --write
 	. .smolflow/env && prefect --no-prompt deploy --all
 
 clean:

@@ -113,7 +113,7 @@ def integrity(run_dir: Path) -> list[str]:
         latest = root / LATEST
         if latest.exists() and not is_complete(root / json.loads(latest.read_text())["tag"]):
             problems.append(f"{latest} names a missing checkpoint")
-    problems += [f"lock left behind: {p}" for p in (run_dir / ".partial").glob("*.lock")]
+    problems += [f"lock left behind: {p}" for p in (run_dir / "steps" / ".partial").glob("*.lock")]
     return problems
 
 
@@ -176,7 +176,7 @@ def wait_for(target: str, proc: subprocess.Popen, run_dir: Path, timeout_s: floa
                         return child
                 except psutil.NoSuchProcess:
                     pass
-        elif (run_dir / ".partial" / stage / ".step_id").exists():
+        elif (run_dir / ".partial" / stage).is_dir():  # the link to its build in the store: the step started
             return None
         time.sleep(0.05)
     raise TimeoutError(target)
@@ -331,16 +331,15 @@ def s3_drill(work: Path, rng: random.Random, outages: int, seconds: float) -> tu
         mirror = Mirror(r.storage.mirror, r.storage.s3)
         problems = []
         for manifest in run_dir.glob("*/manifest.json"):
-            name = manifest.parent.name
+            name = manifest.parent.resolve().name  # NAME-ID, as the mirror holds it
             if mirror.read_marker(name, MANIFEST) is None:
                 problems.append(f"step {name} is not on S3")
             summary = json.loads(manifest.read_text())["summary"]
             if summary.get("failed_uploads"):
                 problems.append(f"{name}: uploads given up: {summary['failed_uploads']}")
         for root in run_dir.glob("pretrain_*/checkpoints"):
-            sid = json.loads((root.parent / MANIFEST).read_text())["step_id"]
             for folder in root.glob("step*"):
-                if mirror.read_marker(f"checkpoints/{root.parent.name}-{sid}/{folder.name}", MARKER) is None:
+                if mirror.read_marker(f"{root.parent.resolve().name}/checkpoints/{folder.name}", MARKER) is None:
                     problems.append(f"checkpoint {folder} is not on S3")
         return cut, problems + integrity(run_dir)
     finally:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flows.graph import build_graph  # noqa: E402
 from infra.env import cores  # noqa: E402
-from infra.steps import RECIPE, frozen_recipe  # noqa: E402
+from infra.steps import FINAL, RECIPE, frozen_recipe  # noqa: E402
 from tasks.evaluation.harness import EvalJob, EvalWorker, prepare_tasks  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     recipe = frozen_recipe(json.loads((args.run_dir / RECIPE).read_text()), str(args.run_dir / RECIPE))
     graph = build_graph(recipe)
-    model = args.model or str(args.run_dir / graph.ladder[0].name / "final")
+    model = args.model or str(args.run_dir / graph.ladder[0].name / FINAL)
     cfg = recipe.evaluation
     work = Path(tempfile.mkdtemp(prefix="bench-eval-"))
     include = prepare_tasks(cfg.task_dirs, Path(graph.models.heldout_dir(args.run_dir)), work / "tasks")

@@ -2,10 +2,10 @@
 
 Each run of an ablation (a variant with one seed) is an ordinary run dir, `ABLATION/RUN`, run by
 the full pipeline, so its report card, `smolflow stage ... --run-dir` and `smolflow eval` work
-as for any run. What makes the runs share work is the step store `ABLATION/steps`: every run dir
-links to it (`RUN/.store`), a step is built into `steps/NAME-ID` and linked from the run dirs whose
-step has that identity (infra/steps.py `run_step`), and a run that finds a shared step being built
-by another waits for it. Evaluation results are shared the same way (`RUN/evals/results` links to
+as for any run. What makes the runs share work is one step store, `ABLATION/steps` or the
+recipe's project-wide `storage.store`: every run's `RUN/steps` links to it, a step is built into
+`steps/NAME-ID` and linked from the run dirs whose step has that identity (infra/steps.py), and a
+run that finds a shared step being built by another waits for it. Evaluation results are shared the same way (`RUN/evals/results` links to
 `ABLATION/evals/results`, keyed by model content), so a shared checkpoint is scored once.
 """
 
@@ -24,11 +24,10 @@ from flows.graph import STAGES, build_graph
 from flows.pipeline import full_pipeline
 from infra.ablation import Ablation, AblationRun, load_ablation
 from infra.errors import SmolflowError
-from infra.steps import STORE, Step, plan_ids, statuses
-from infra.storage import write_json_atomic
+from infra.steps import STEPS, Step, plan_ids, statuses
+from infra.storage import Mirror, write_json_atomic
 from tasks.evaluation.compare import AblationRunDir, publish_comparison
 
-STEPS = "steps"  # ABLATION/steps: the store of every step the runs build
 RESULTS = Path("evals") / "results"
 
 
@@ -42,15 +41,21 @@ def open_ablation(path: str, run_dir: str | None = None) -> Ablation:
     return ablation
 
 
+def store_of_ablation(ablation: Ablation) -> Path:
+    """The step store the runs share: the recipe's project-wide `storage.store`, else ABLATION/steps."""
+    shared = ablation.runs[0].recipe.storage.store
+    return Path(shared) if shared else ablation.root / STEPS
+
+
 def prepare(ablation: Ablation) -> None:
     """The run dirs, each linked to the shared step store and result store."""
-    root = ablation.root
-    (root / STEPS).mkdir(parents=True, exist_ok=True)
+    root, store = ablation.root, store_of_ablation(ablation)
+    store.mkdir(parents=True, exist_ok=True)
     (root / RESULTS).mkdir(parents=True, exist_ok=True)
     for run in ablation.runs:
         run_dir = root / run.name
         (run_dir / RESULTS).parent.mkdir(parents=True, exist_ok=True)
-        for link, target in ((run_dir / STORE, root / STEPS), (run_dir / RESULTS, root / RESULTS)):
+        for link, target in ((run_dir / STEPS, store), (run_dir / RESULTS, root / RESULTS)):
             if not link.is_symlink():
                 if link.exists():
                     raise SmolflowError(f"{link} exists and is not a link to {target}: use another run dir for this ablation")
@@ -82,13 +87,14 @@ def explain(ablation: Ablation) -> list[str]:
     """A table of what each run would do with each step: `build`, `cached` (in the store), or `shared`
     (built once, by the first run that needs it); then what sharing saves. Steps are matched by plan id
     (infra/steps.py `plan_ids`): equal configs and equal upstream steps."""
-    store = ablation.root / STEPS
+    store = store_of_ablation(ablation)
     users: dict[tuple[str, str], list[str]] = {}
     per_run, names = [], []
     for run in ablation.runs:
         steps = steps_of(ablation, run)
         ids = plan_ids(steps)
-        state = {s.step.name: s.state for s in statuses(ablation.root / run.name, steps, store=store)}
+        mirror = Mirror(run.recipe.storage.mirror, run.recipe.storage.s3) if run.recipe.storage.mirror else None
+        state = {s.step.name: s.state for s in statuses(ablation.root / run.name, steps, mirror, store)}
         per_run.append((run, steps, ids, state))
         names += [s.name for s in steps if s.name not in names]
         for step in steps:

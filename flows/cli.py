@@ -139,11 +139,11 @@ def _memory(mem: dict[str, float]) -> str:
 
 def _explain(recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str], always: bool) -> None:
     """Print what running `stages` would do in the run dir: recipe changes against the frozen recipe, then
-    each step as cached / run / rerun / resume / restore with the config keys that changed; only when the
-    recipe changed, unless `always`."""
+    each step as cached / pull / resume / run / rerun with the config keys that changed (the build's own
+    decision, mirror included); only when the recipe changed, unless `always`."""
     from flows.graph import build_graph
     from infra.recipe import operational_key
-    from infra.steps import PREVIOUS, Run, kept_versions, statuses
+    from infra.steps import Run
 
     run = Run.open(str(recipe), run_dir, overrides, freeze=False)
     if not always and not run.changes:
@@ -155,8 +155,8 @@ def _explain(recipe: Path, run_dir: str | None, overrides: list[str], stages: li
         for key, old, new in run.changes:
             note = "   (operational: reruns nothing)" if operational_key(key) else ""
             typer.echo(f"  {key}: {old!r} -> {new!r}{note}")
-    chosen = [s for s in statuses(run.run_dir, graph.steps) if s.step.stage in stages]
-    typer.echo("steps:")
+    chosen = [s for s in run.statuses(graph.steps) if s.step.stage in stages]
+    typer.echo(f"steps (store {run.store}):")
     for status in chosen:
         why = f"  ({status.reason})" if status.reason else ""
         typer.echo(f"  {status.state:8} {status.step.name}{why}")
@@ -164,23 +164,17 @@ def _explain(recipe: Path, run_dir: str | None, overrides: list[str], stages: li
             typer.echo(f"             {key}: {old!r} -> {new!r}")
     runs = sum(s.state != "cached" for s in chosen)
     typer.echo(f"{runs} of {len(chosen)} steps would run; {len(chosen) - runs} cached.")
-    kept = kept_versions(run.run_dir)
-    if kept:
-        typer.echo(f"versions kept in {run.run_dir / PREVIOUS} (moved aside, never deleted): {', '.join(p.name for p in kept)}")
 
 
 def _check_upstream(recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str]) -> None:
     """A stage whose inputs from earlier stages are missing fails here, in seconds, not in a flow run after a Prefect
-    server start. The full check (current with the recipe, or held in a step store) runs only when one is absent from
-    the run dir: it hashes local raw sources, and the stage flow runs it again before its first step."""
+    server start: the same decision the stage flow makes (cached, or pulled from the mirror), without pulling."""
     from flows.graph import build_graph
-    from flows.pipeline import upstream, upstream_steps
-    from infra.steps import Run, finished
+    from flows.pipeline import upstream
+    from infra.steps import Run
 
     run = Run.open(str(recipe), run_dir, overrides, freeze=False)
-    graph = build_graph(run.recipe)
-    if any(finished(run.run_dir, name) is None for name in upstream_steps(graph, stages)):
-        upstream(run.run_dir, graph, stages)
+    upstream(run, build_graph(run.recipe), stages, obtain=False)
 
 
 def _run_flow(flow_fn, recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str], dry_run: bool) -> None:
@@ -327,6 +321,26 @@ def eval_cmd(
     except SmolflowError as err:
         _fail(err)
     typer.echo(result)
+
+
+@app.command()
+def deployments(
+    write: Annotated[bool, typer.Option("--write", help="Rewrite prefect.yaml's stage deployments (else print the file).")] = False,
+) -> None:
+    """prefect.yaml with one deployment per stage of the graph (flows/graph.py STAGES): a new stage gets its
+    deployment here, not by hand. `make deploy` writes them before `prefect deploy --all`."""
+    from flows.pipeline import stage_deployments
+
+    path = Path("prefect.yaml")
+    try:
+        text = stage_deployments(path.read_text())
+    except (OSError, SmolflowError) as err:
+        _fail(err if isinstance(err, SmolflowError) else SmolflowError(f"{path}: {err}"))
+    if write:
+        path.write_text(text)
+        typer.echo(f"{path}: stage deployments written")
+    else:
+        typer.echo(text, nl=False)
 
 
 server_app = typer.Typer(help="A local Prefect server (127.0.0.1, SQLite under .smolflow/), work pool, worker and crash relaunch check.")

@@ -6,9 +6,11 @@ discovery for evaluation, the report card, the dry run and the S3 mirror iterate
 config is built here from the recipe and holds exactly what its function reads, so its identity
 (infra/steps.py) follows from the recipe with nothing written by hand.
 
-Adding a post-training step: a config class and a function in tasks/postrain.py, one `add(Step(...))`
-line below (with `model=` if it leaves a model to evaluate), a stage name in STAGES, and, if it
-needs its own recipe section, that section in infra/recipe.py.
+Adding a post-training trainer takes three files: the trainer (`postrain/NAME.py`, a function that
+trains on one rank), its recipe section (a TrainerCfg subclass naming that function, as a field of
+PostrainCfg in infra/recipe.py: the registry the planner, the batch check and the launcher read), and
+here one `add(postrain.trained(...))` line plus its stage in STAGES. Its flow, deployment, dry run,
+evaluation and report card follow from the graph.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from tasks.curation.filters import check_filters
 from tasks.evaluate import Models
 
 # Pipeline stages in DAG order: each is a Prefect flow (`smolflow stage NAME`) building its steps.
-STAGES = ("curate", "pretrain", "sft", "preference", "apo", "grpo", "evaluate")
+EVALUATE = "evaluate"  # the stage that scores what the others left (no steps of its own)
+STAGES = ("curate", "pretrain", "sft", "preference", "apo", "grpo", EVALUATE)
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class Graph:
     steps: list[Step]  # every step, upstream first
     curation: dict[str, Step]  # the curation report's inputs by role (tasks/curation/report.py)
     phases: list[Step]  # one per pretraining phase
-    ladder: list[Step]  # the models of the post-training ladder, base first
+    ladder: list[Step]  # the post-trained models in training order (the ladder above the base model)
     pairs: Step
     models: Models  # where evaluation finds checkpoints and models
 
@@ -90,24 +93,17 @@ def build_graph(recipe: Recipe) -> Graph:
             )
         )
 
-    shared = {"launcher": post.launcher, "heldout_eval": post.heldout_eval}  # what the training steps share
     config = postrain.ChatDataStepCfg(data=post.data, eval_sets=c.decontaminate.eval_sets, seed=recipe.seed)
     chats = add(Step("chat_data", "sft", postrain.chat_data, config, watch=postrain.eval_sets))
-    config = postrain.SFTStepCfg(sft=post.sft, **shared, seed=_seed(post.sft.seed, recipe))
-    sft = add(Step("sft", "sft", postrain.sft, config, {"chats": chats, "base": phases[-1]}, model="sft"))
+    sft = add(postrain.trained(recipe, "sft", {"chats": chats, "base": phases[-1]}, start="base", score_start=True))
     config = postrain.PreferenceStepCfg(preference=post.preference)
     pairs = add(Step("preference", "preference", postrain.preference, config, {"chats": chats, "policy": sft}))
-    config = postrain.APOStepCfg(apo=post.apo, **shared, seed=_seed(post.apo.seed, recipe))
-    apo = add(Step("apo", "apo", postrain.apo, config, {"chats": chats, "pairs": pairs, "policy": sft}, model="apo"))
-    config = postrain.GRPOStepCfg(grpo=post.grpo, **shared, seed=_seed(post.grpo.seed, recipe))
-    grpo = add(Step("grpo", "grpo", postrain.grpo, config, {"chats": chats, "policy": apo}, model="grpo"))
+    apo = add(postrain.trained(recipe, "apo", {"chats": chats, "pairs": pairs, "policy": sft}, data="pairs"))
+    add(postrain.trained(recipe, "grpo", {"chats": chats, "policy": apo}))
 
     curation = {"ingested": ingest, "filtered": filtered, "deduped": deduped, "decontaminated": decont, "tokenized": tokens, "mixed": mixed}
-    return Graph(steps, curation, phases, [sft, apo, grpo], pairs, Models(steps, heldout=tokens))
-
-
-def _seed(seed: int | None, recipe: Recipe) -> int:
-    return recipe.seed if seed is None else seed
+    ladder = [s for s in steps if s.model and not s.checkpoints]  # the post-trained models, in training order
+    return Graph(steps, curation, phases, ladder, pairs, Models(steps, heldout=tokens))
 
 
 def _eval_sets(cfg: curate.DecontaminateStepCfg) -> dict[str, str]:

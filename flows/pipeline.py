@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.graph import STAGES, Graph, build_graph
+from flows.graph import EVALUATE, STAGES, Graph, build_graph
 from infra.errors import SmolflowError
 from infra.recipe import Recipe, load_recipe
-from infra.steps import RECIPE, Run, Step, StepOutput, finished, frozen_recipe, require, statuses
+from infra.steps import FINAL, RECIPE, RUNS, Run, Step, StepOutput, finished, frozen_recipe, require
 from infra.storage import filesystem
 from tasks import curate, postrain, pretrain
 from tasks import evaluate as ev
-from tasks.common import build
+from tasks.common import build, run_logger
 
 
 def open_run(recipe: str | None, run_dir: str | None, overrides: list[str] | None) -> tuple[Run, Graph]:
@@ -40,30 +40,23 @@ def upstream_steps(graph: Graph, stages: list[str]) -> dict[str, Step]:
     return {d.name: d for s in graph.steps if s.stage in stages for d in s.deps.values() if d.stage not in stages}
 
 
-def upstream(run_dir: Path, graph: Graph, stages: list[str]) -> dict[str, StepOutput]:
-    """The outputs that `stages` read from other stages, each finished and current with the recipe, or
-    UpstreamMissing naming the stage to run first. Checked before a stage starts anything (the CLI checks it
-    before a Prefect server starts), not when its first step needs it."""
+def upstream(run: Run, graph: Graph, stages: list[str], obtain: bool = True) -> dict[str, StepOutput]:
+    """The outputs that `stages` read from other stages, each current with the recipe (in the store, or pulled
+    from the mirror when OBTAIN), or UpstreamMissing naming the stage to run first. Decided as a build
+    decides (infra/steps.py `decide`), before a stage starts anything."""
     deps = upstream_steps(graph, stages)
-    known = {s.step.name: s for s in statuses(run_dir, graph.steps)} if deps else {}
-    return {name: require(run_dir, dep, known[name], needed_by=" and ".join(stages)) for name, dep in deps.items()}
+    known = {s.step.name: s for s in run.statuses(graph.steps)} if deps else {}
+    for name in deps:
+        require(run.run_dir, known[name], needed_by=" and ".join(stages))
+    return {name: run.obtain(known[name]) for name in deps} if obtain else {}
 
 
 def run_steps(run: Run, stage: str, graph: Graph, available: dict[str, StepOutput] | None = None) -> dict[str, StepOutput]:
     """Build the stage's steps in order on the outputs of earlier stages (`available`, else checked here)."""
-    known = dict(upstream(run.run_dir, graph, [stage]) if available is None else available)
+    known = dict(upstream(run, graph, [stage]) if available is None else available)
     for step in graph.stage(stage):
         known[step.name] = build(run, step, {role: known[d.name] for role, d in step.deps.items()})
     return {step.name: known[step.name] for step in graph.stage(stage)}
-
-
-@flow(name="curate")
-def curate_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None) -> str:
-    """Curate the sources into RUN_DIR; returns the path of the curation report."""
-    run, graph = open_run(recipe, run_dir, overrides)
-    out = run_steps(run, "curate", graph)
-    roles = {role: out[step.name] for role, step in graph.curation.items()}
-    return str(curate.report(run.run_dir, run.recipe.name, list(out.values()), run.recipe.curate.examples_per_filter, **roles))
 
 
 @contextmanager
@@ -82,63 +75,69 @@ def eval_follower(run: Run, graph: Graph, kinds: tuple[str, ...]) -> Iterator[bo
         follower.wait()
 
 
-@flow(name="pretrain")
-def pretrain_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None, evals: bool = True) -> str:
-    """Pretrain on the curated mixtures in RUN_DIR, every checkpoint evaluated while the trainer runs (`evals`
-    False: the caller's follower scores them); returns the final model's folder."""
-    run, graph = open_run(recipe, run_dir, overrides)
-    available = upstream(run.run_dir, graph, ["pretrain"])  # before the follower starts
-    with eval_follower(run, graph, ("checkpoint",) if evals else ()):
-        out = run_steps(run, "pretrain", graph, available)
-    phases = [out[s.name] for s in graph.phases]
-    pretrain.report(run.run_dir, run.recipe.name, phases)
-    return str(phases[-1].path / "final")
+Report = Callable[[Run, Graph, dict[str, StepOutput]], Path]
+STAGE_REPORTS: list[tuple[Callable[[Graph], list[Step]], Report]] = []  # (the steps it reads, the report)
 
 
-def _post(
-    stage: str, recipe: str | None, run_dir: str | None, overrides: list[str] | None, evals: bool
-) -> tuple[Run, Graph, dict[str, StepOutput]]:
-    """A post-training stage's steps; with `evals` each model it leaves is scored right after its step."""
-    run, graph = open_run(recipe, run_dir, overrides)
-    out = run_steps(run, stage, graph)
-    for step in graph.stage(stage):
-        if step.model and evals:
-            ev.evaluate_model(run, graph.models, step, out[step.name])
-    return run, graph, out
+def stage_report(reads: Callable[[Graph], list[Step]]) -> Callable[[Report], Report]:
+    """A report the stage flow that builds the last of the steps it READS writes after its steps."""
+
+    def register(fn: Report) -> Report:
+        STAGE_REPORTS.append((reads, fn))
+        return fn
+
+    return register
 
 
-@flow(name="sft")
-def sft_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None, evals: bool = True) -> str:
-    """Chat data and supervised fine-tuning of the pretrained model; returns the SFT model's folder."""
-    _, graph, out = _post("sft", recipe, run_dir, overrides, evals)
-    return str(out[graph.ladder[0].name].path / "final")
+@stage_report(lambda graph: list(graph.curation.values()))
+def _curation_report(run: Run, graph: Graph, out: dict[str, StepOutput]) -> Path:
+    roles = {role: out[step.name] for role, step in graph.curation.items()}
+    return curate.report(run.run_dir, run.recipe.name, list(out.values()), run.recipe.curate.examples_per_filter, **roles)
 
 
-@flow(name="preference")
-def preference_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None, evals: bool = True) -> str:
-    """Strong vs weak answers to the training prompts; returns the pairs file."""
-    _, graph, out = _post("preference", recipe, run_dir, overrides, evals)
-    return str(out[graph.pairs.name].path / "pairs.jsonl")
+@stage_report(lambda graph: graph.phases)
+def _pretraining_report(run: Run, graph: Graph, out: dict[str, StepOutput]) -> Path:
+    return pretrain.report(run.run_dir, run.recipe.name, [out[s.name] for s in graph.phases])
 
 
-@flow(name="apo")
-def apo_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None, evals: bool = True) -> str:
-    """APO on the preference pairs, from the SFT model; returns the APO model's folder."""
-    _, graph, out = _post("apo", recipe, run_dir, overrides, evals)
-    return str(out[graph.ladder[1].name].path / "final")
-
-
-@flow(name="grpo")
-def grpo_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None, evals: bool = True) -> str:
-    """GRPO from the APO model, then the post-training report; returns the report's path."""
-    run, graph, out = _post("grpo", recipe, run_dir, overrides, evals)
-    # the earlier steps are upstream of GRPO, so current: the report reads them as they are
-    done = {s.name: out.get(s.name) or finished(run.run_dir, s.name) for s in graph.ladder + [graph.pairs]}
+@stage_report(lambda graph: [*graph.ladder, graph.pairs])
+def _post_training_report(run: Run, graph: Graph, out: dict[str, StepOutput]) -> Path:
+    # the earlier rungs and the pairs are upstream of the last rung, so current: the report reads them as they are
+    done = {s.name: out.get(s.name) or finished(run.run_dir, s.name) for s in [*graph.ladder, graph.pairs]}
     models = [(s.model, done[s.name]) for s in graph.ladder]
-    return str(postrain.report(run.run_dir, run.recipe.name, models, done[graph.pairs.name], list(done.values())))
+    return postrain.report(run.run_dir, run.recipe.name, models, done[graph.pairs.name], list(done.values()))
 
 
-@flow(name="evaluate")
+def run_stage(stage: str, recipe: str | None, run_dir: str | None, overrides: list[str] | None, evals: bool = True) -> str:
+    """Build STAGE's steps on what earlier stages left in the run dir, then the reports whose last step it built.
+    With `evals`, checkpoints are scored while their trainer runs and each model right after its step (False:
+    the caller's follower scores them). Returns the last report, else the last step's model folder or folder."""
+    run, graph = open_run(recipe, run_dir, overrides)
+    steps = graph.stage(stage)
+    available = upstream(run, graph, [stage])  # before the follower starts
+    with eval_follower(run, graph, ("checkpoint",) if evals and any(s.checkpoints for s in steps) else ()):
+        out = run_steps(run, stage, graph, available)
+    for step in steps:
+        if step.model and not step.checkpoints and evals:
+            ev.evaluate_model(run, graph.models, step, out[step.name])
+    order = [s.name for s in graph.steps]
+    ours = [fn for reads, fn in STAGE_REPORTS if max(reads(graph), key=lambda s: order.index(s.name)).stage == stage]
+    reports = [fn(run, graph, {**available, **out}) for fn in ours]
+    last = out[steps[-1].name]
+    return str(reports[-1] if reports else last.path / FINAL if steps[-1].model else last.path)
+
+
+def _stage_flow(stage: str):
+    """The Prefect flow of a stage of steps (`smolflow stage NAME`, the NAME/RECIPE deployments)."""
+
+    def stage_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None, evals: bool = True) -> str:
+        return run_stage(stage, recipe, run_dir, overrides, evals)
+
+    stage_flow.__name__ = stage_flow.__qualname__ = f"{stage}_flow"
+    return flow(name=stage, description=f"Build the {stage} stage's steps on what earlier stages left in RUN_DIR.")(stage_flow)
+
+
+@flow(name=EVALUATE)
 def evaluate_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None) -> str:
     """Evaluate every checkpoint and model in RUN_DIR that has no results yet, then rebuild the report card."""
     run, graph = open_run(recipe, run_dir, overrides)
@@ -146,8 +145,25 @@ def evaluate_flow(recipe: str | None = None, run_dir: str | None = None, overrid
     return str(ev.report_card(run.run_dir, run.recipe.name, graph.steps))
 
 
-# Stage name -> its flow; `smolflow stage NAME` runs one of them on its own.
-STAGE_FLOWS = dict(zip(STAGES, (curate_flow, pretrain_flow, sft_flow, preference_flow, apo_flow, grpo_flow, evaluate_flow), strict=True))
+# Stage name -> its flow, in DAG order: `smolflow stage NAME` runs one on its own, and prefect.yaml deploys each as
+# flows/pipeline.py:NAME_flow (checked against STAGES by tests/test_graph.py).
+STAGE_FLOWS = {name: evaluate_flow if name == EVALUATE else _stage_flow(name) for name in STAGES}
+globals().update({f"{name}_flow": fn for name, fn in STAGE_FLOWS.items()})
+BEGIN, END = "  # BEGIN stage deployments", "  # END stage deployments"
+
+
+def stage_deployments(prefect_yaml: str) -> str:
+    """PREFECT_YAML with its stage deployments (between the BEGIN and END lines) written from STAGES."""
+    head, begin, rest = prefect_yaml.partition(BEGIN)
+    _, end, tail = rest.partition(END)
+    if not begin or not end:
+        raise SmolflowError(f"prefect.yaml has no lines starting {BEGIN!r} and {END!r} to put the stage deployments between")
+    first = rest.split("\n", 1)[0]  # the rest of the BEGIN line
+    lines = [
+        f"  - {{name: tiny, entrypoint: flows/pipeline.py:{fn.fn.__name__}, parameters: *tiny, work_pool: *training, tags: *tags}}"
+        for fn in STAGE_FLOWS.values()
+    ]
+    return "\n".join([head + begin + first, *lines, end + tail])
 
 
 @flow(name="full-pipeline")
@@ -159,8 +175,8 @@ def full_pipeline(recipe: str, run_dir: str | None = None, overrides: list[str] 
         raise ValueError(f"unknown stage {until!r}; stages: {', '.join(STAGES)}")
     run, graph = open_run(recipe, run_dir, overrides)
     chosen = list(STAGES[: STAGES.index(until) + 1] if until else STAGES)
-    if "evaluate" not in chosen:
-        chosen.append("evaluate")
+    if EVALUATE not in chosen:
+        chosen.append(EVALUATE)
     *stages, last = chosen  # the evaluate stage, once the follower is done
     # one eval follower beside the training stages: checkpoints and models are scored on the cores the
     # trainers leave idle, not between stages; it starts once the held-out documents its tasks read exist
@@ -191,13 +207,17 @@ def scheduled_eval_flow(source: str = "runs/tiny", recipe: str | None = None, wo
 
 
 def source_recipe(source: str, recipe_path: str | None) -> Recipe:
-    """The recipe a run was made with (its frozen recipe.json, locally or on S3), unless one is given."""
+    """The recipe a run was made with (its frozen recipe.json; on a mirror, `runs/RUN/recipe.json`), unless one is given."""
     if recipe_path:
         return load_recipe(recipe_path)
-    url = f"{source.rstrip('/')}/{RECIPE}"
-    fs, path = filesystem(url)
+    fs, root = filesystem(source)
+    local = "://" not in source
+    found = [f"{root}/{RECIPE}"] if local else sorted(fs.glob(f"{root}/{RUNS}/*/{RECIPE}"))
+    if len(found) > 1:
+        run_logger().warning("%s mirrors %d runs: evaluating with the recipe of %s (pass --recipe to choose)", source, len(found), found[0])
     try:
-        with fs.open(path, "rb") as f:
-            return frozen_recipe(json.loads(f.read()), url)
-    except FileNotFoundError:
-        raise SmolflowError(f"{source} has no {RECIPE}: pass the recipe the run was made with") from None
+        with fs.open(found[0], "rb") as f:
+            return frozen_recipe(json.loads(f.read()), found[0])
+    except (FileNotFoundError, IndexError):
+        where = RECIPE if local else f"{RUNS}/RUN/{RECIPE}"
+        raise SmolflowError(f"{source} has no {where}: pass the recipe the run was made with") from None

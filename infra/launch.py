@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from infra.env import thread_count
-from infra.locks import record_child
+from infra.locks import lease_env, record_child
 from infra.procs import kill_tree, owner_env, tethered
 from infra.recipe import AccelerateCfg, LauncherCfg
 
@@ -83,7 +83,7 @@ def accelerate_command(cfg: AccelerateCfg, module: str, args: list[str], config:
 
 def launch_env(cfg: LauncherCfg | AccelerateCfg, extra: dict[str, str] | None = None) -> dict[str, str]:
     threads = str(thread_count(cfg.threads_per_rank))
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1", **owner_env(), **(extra or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1", **owner_env(), **lease_env(), **(extra or {})}
     if not getattr(cfg, "hostfile", None):  # one node: collectives listen on loopback only
         env["GLOO_SOCKET_IFNAME"] = "lo"
     if isinstance(cfg, LauncherCfg) and cfg.kind == "python":  # a lone process still needs a rendezvous, or DeepSpeed tries MPI discovery

@@ -1,14 +1,19 @@
-"""Build locks: a kernel lock on an open descriptor, plus a lease for hosts that share the folder.
+"""Build locks: a kernel lock on an open descriptor, plus a fenced lease for hosts that share the folder.
 
 Prefect can launch a flow run twice (a crash event reported twice, a hand retry while a worker
 still runs it). `fcntl.flock` belongs to the open descriptor and the kernel drops it when its
 holder dies, however it dies: there is no stale lock to judge and no check-then-act race between
-two relaunches. Hosts that share a run dir over a filesystem whose locks are local to each host
-(several parallel filesystems) cannot see each other's kernel locks, so the holder also keeps a
-lease in the file: its host, pid and start time and a heartbeat it renews while it holds the lock.
-Another host takes over only once the heartbeat is older than the lease (host clocks in sync, as on
-any cluster). The lease also lists the processes the holder launched (trainers), so that whoever
-takes a lock over kills a leftover tree before it builds.
+two relaunches. Hosts that share a store over a filesystem whose locks are local to each host
+cannot see each other's kernel locks, so the holder also keeps a lease in the file: host, pid,
+start time, a heartbeat it renews, a random token and an epoch. Another host takes over only once
+the heartbeat (or, for a file with no lease written yet, its modification time) is older than the
+lease, and raises the epoch. A holder whose lease was taken over notices it (its renewals and
+`check()` read the file back) and must not commit; its `release()` leaves the new holder's file alone.
+
+The file is trusted no further than that: it is opened without following links and refused when
+another user owns it, and the processes its lease lists are killed on takeover only when they are
+ours and carry the lease's token in their environment (LEASE_ENV): a pid and start time alone can
+be read by anyone in /proc and planted in a lease.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import fcntl
 import json
 import logging
 import os
+import secrets
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -25,30 +32,60 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from infra.errors import SmolflowError, StepLocked
 from infra.procs import HOST, Proc, kill_tree
 
 LEASE_S = 120.0  # another host takes a lock over once its heartbeat is this old
+LEASE_ENV = "SMOLFLOW_LEASE"  # the token of the lease whose holder launched a process
 log = logging.getLogger(__name__)
+
+
+class LockLost(StepLocked):
+    """This holder's lease was taken over (its heartbeat stalled past the lease): it must not commit."""
+
+    retryable = True
 
 
 class Lock:
     """A held lock: the open descriptor, its lease record and the thread renewing it."""
 
-    def __init__(self, path: Path, fd: int, lease_s: float):
+    def __init__(self, path: Path, fd: int, lease_s: float, epoch: int):
         self.path, self.fd, self.lease_s = path, fd, lease_s
         self.record: dict[str, Any] = {
             **Proc.of().dump(),
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "lease_s": lease_s,
+            "epoch": epoch,
+            "token": secrets.token_hex(16),
             "children": [],
         }
+        self.lost: str | None = None  # why this holder no longer holds the lease
         self._mutex, self._stop = threading.Lock(), threading.Event()
-        self._write()
+        self._write(first=True)
         self._beat = threading.Thread(target=self._renew, daemon=True, name=f"lease {path.name}")
         self._beat.start()
 
-    def _write(self) -> None:
+    def _ours(self) -> bool:
+        """Whether PATH is still our file and holds our lease (no takeover since we last wrote it)."""
+        try:
+            if os.stat(self.path, follow_symlinks=False).st_ino != os.fstat(self.fd).st_ino:
+                self.lost = f"{self.path} was replaced"
+                return False
+        except FileNotFoundError:
+            self.lost = f"{self.path} was removed"
+            return False
+        found = _parse(os.pread(self.fd, 1 << 20, 0)) or {}
+        if (found.get("token"), found.get("epoch")) != (self.record["token"], self.record["epoch"]):
+            self.lost = f"taken over by {describe(found)} (epoch {found.get('epoch')})"
+            return False
+        return True
+
+    def _write(self, first: bool = False) -> None:
         with self._mutex:
+            if self.lost or (not first and not self._ours()):
+                return  # never overwrite the lease of whoever took it over
             self.record["heartbeat"] = time.time()
             data = json.dumps(self.record).encode()
             os.ftruncate(self.fd, 0)
@@ -58,6 +95,19 @@ class Lock:
     def _renew(self) -> None:
         while not self._stop.wait(self.lease_s / 4):
             self._write()
+            if self.lost:
+                log.error("lock %s: lease lost (%s): this build must not commit", self.path, self.lost)
+                return
+
+    def check(self) -> None:
+        """Raise LockLost unless this holder still holds the lease (call right before committing)."""
+        with self._mutex:
+            if self.lost or not self._ours():
+                raise LockLost(f"lock {self.path}: {self.lost}; not committing (the new holder builds the step)")
+
+    @property
+    def token(self) -> str:
+        return self.record["token"]
 
     def add_child(self, pid: int) -> None:
         """Record a process this holder launched: a later holder kills it if it outlived us."""
@@ -67,38 +117,79 @@ class Lock:
     def release(self) -> None:
         self._stop.set()
         self._beat.join()
-        self.path.unlink(missing_ok=True)  # still holding it: a waiter that opened this file sees it unlinked
+        with self._mutex:
+            if self.lost is None and self._ours():
+                self.path.unlink(missing_ok=True)  # still holding it: a waiter that opened this file sees it unlinked
         os.close(self.fd)
 
 
-def acquire(path: Path, lease_s: float = LEASE_S) -> Lock | None:
-    """Take the lock at PATH, or None while a live holder (this host) or an unexpired lease (another) has it."""
+def _open(path: Path) -> tuple[int, bool]:
+    """Open PATH as a lock file of ours, never through a link nor another user's file; (fd, whether we created it)."""
+    while True:
+        try:
+            fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), True
+        except FileExistsError:
+            try:
+                fd, created = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC), False
+            except FileNotFoundError:
+                continue  # released and unlinked between the two opens
+            except OSError as err:
+                if os.path.islink(path):
+                    raise SmolflowError(f"lock {path} is a symbolic link: refusing to open it (remove it if you did not make it)") from None
+                raise SmolflowError(f"lock {path}: cannot open it ({err.strerror})") from None
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid() or not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise SmolflowError(f"lock {path} is owned by uid {info.st_uid}, not by uid {os.getuid()} (this user): refusing to use it")
+        return fd, created
+
+
+def acquire(path: Path, lease_s: float | None = None) -> Lock | None:
+    """Take the lock at PATH, or None while a live holder (this host) or an unexpired lease (any host) has it."""
+    lease_s = LEASE_S if lease_s is None else lease_s
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd, created = _open(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return None
         try:
-            current = os.stat(path).st_ino == os.fstat(fd).st_ino
+            current = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             current = False
         if current:
             break
         os.close(fd)  # its holder released and unlinked it between our open and our flock: take the new file
-    old = _parse(os.pread(fd, 1 << 20, 0))
-    if old is not None and old.get("host") != HOST and time.time() - float(old.get("heartbeat", 0)) < float(old.get("lease_s", lease_s)):
-        os.close(fd)
-        return None
+    old = None if created else _parse(os.pread(fd, 1 << 20, 0))
+    if not created and old is None:  # a file with no readable lease: a holder between its create and its first write?
+        old = {"host": "an unknown host (no lease written yet)", "heartbeat": os.fstat(fd).st_mtime}
     if old is not None:
+        # this host's holder would still hold the kernel lock: we have it, so it is gone; another host's lease must expire
+        if old.get("host") != HOST and time.time() - float(old.get("heartbeat", 0)) < float(old.get("lease_s", lease_s)):
+            os.close(fd)
+            return None
         log.warning("lock %s: taking over from %s (its process is gone or its lease expired)", path, describe(old))
-        for child in old.get("children", []):
-            if (proc := Proc.load(child).process()) is not None:
-                log.warning("lock %s: killing pid %d, left running by the previous holder", path, proc.pid)
-                kill_tree(proc)
-    return Lock(path, fd, lease_s)
+        _kill_leftovers(path, old)
+    return Lock(path, fd, lease_s, epoch=int((old or {}).get("epoch", 0)) + 1)
+
+
+def _kill_leftovers(path: Path, old: dict[str, Any]) -> None:
+    """Kill the processes the previous holder launched, when they are ours and carry its lease token."""
+    for child in old.get("children", []):
+        proc = Proc.load(child).process()
+        if proc is None:
+            continue
+        try:
+            ours = proc.uids().real == os.getuid() and proc.environ().get(LEASE_ENV) == old.get("token")
+        except psutil.Error:
+            ours = False
+        if not ours or not old.get("token"):
+            log.warning("lock %s: pid %d is listed by the previous holder but does not carry its lease token: left alone", path, proc.pid)
+            continue
+        log.warning("lock %s: killing pid %d, left running by the previous holder", path, proc.pid)
+        kill_tree(proc)
 
 
 def holder(path: Path) -> dict[str, Any] | None:
@@ -117,9 +208,10 @@ def describe(record: dict[str, Any] | None) -> str:
 
 def _parse(data: bytes) -> dict[str, Any] | None:
     try:
-        return json.loads(data) or None
+        found = json.loads(data)
     except ValueError:
         return None
+    return found if isinstance(found, dict) and found else None
 
 
 _HELD: contextvars.ContextVar[Lock | None] = contextvars.ContextVar("held_lock", default=None)
@@ -127,12 +219,18 @@ _HELD: contextvars.ContextVar[Lock | None] = contextvars.ContextVar("held_lock",
 
 @contextmanager
 def holding(lock: Lock) -> Iterator[Lock]:
-    """Within this block, processes launched by this thread are recorded in LOCK (`record_child`)."""
+    """Within this block, processes launched by this thread are recorded in LOCK (`record_child`) and carry its token."""
     token = _HELD.set(lock)
     try:
         yield lock
     finally:
         _HELD.reset(token)
+
+
+def lease_env() -> dict[str, str]:
+    """The environment that marks a launched process as the held lease's (see `_kill_leftovers`)."""
+    lock = _HELD.get()
+    return {LEASE_ENV: lock.token} if lock is not None else {}
 
 
 def record_child(pid: int) -> None:

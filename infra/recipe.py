@@ -10,7 +10,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -118,6 +118,12 @@ class S3Cfg(Strict):
 class StorageCfg(Strict):
     s3: S3Cfg = operational(S3Cfg())
     mirror: str | None = operational(None, description="s3:// prefix every finished step is mirrored to")
+    store: str | None = operational(
+        None, description="step store shared with other runs and ablations (e.g. runs/steps); default: the run's own RUN/steps"
+    )
+    wait_for_builder_s: float = operational(
+        86400.0, gt=0, description="how long a run waits for another process building the same step before it gives up"
+    )
 
     @model_validator(mode="after")
     def _mirror_is_s3(self) -> StorageCfg:
@@ -457,7 +463,15 @@ class ChatDataCfg(Strict):
 
 
 class TrainerCfg(Strict):
-    """What TRL's trainers share: steps, batch, learning rate, checkpoints."""
+    """What TRL's trainers share: steps, batch, learning rate, checkpoints.
+
+    A subclass is a post-training trainer: `trainer` names the function that trains it on one rank
+    (`module:function`, imported by postrain/run.py only on the ranks of that trainer), and a section of
+    `PostrainCfg` typed with it registers it: the planner, the batch check and the launcher find it there.
+    """
+
+    trainer: ClassVar[str]
+    rows_per_example: ClassVar[int] = 1  # sequences one example puts in a micro-step (APO: chosen and rejected)
 
     learning_rate: float = Field(gt=0)
     max_steps: int = Field(gt=0)
@@ -469,8 +483,13 @@ class TrainerCfg(Strict):
     max_length: int = Field(256, gt=0)
     seed: int | None = Field(None, description="this trainer's seed; default: the recipe's (an ablation varies it to repeat a step)")
 
+    def longest(self) -> int:
+        """The longest sequence a micro-step holds (the planner sizes activations by it)."""
+        return self.max_length
+
 
 class SFTCfg(TrainerCfg):
+    trainer: ClassVar[str] = "postrain.sft:run_sft"
     packing: bool = Field(False, description="TRL padding-free packing (no cross-example attention)")
     weak_checkpoint_step: int = Field(50, gt=0, description="an early copy kept as the weak model for preference pairs")
 
@@ -501,6 +520,8 @@ class PreferenceCfg(Strict):
 
 
 class APOCfg(TrainerCfg):
+    trainer: ClassVar[str] = "postrain.apo:run_apo"
+    rows_per_example: ClassVar[int] = 2
     beta: float = Field(0.05, gt=0)
     loss_type: list[str] = ["apo_zero"]
     loss_weights: list[float] | None = Field(None, description="one weight per loss_type (TRL's default: all 1)")
@@ -513,6 +534,7 @@ class APOCfg(TrainerCfg):
 
 
 class GRPOCfg(TrainerCfg):
+    trainer: ClassVar[str] = "postrain.grpo:run_grpo"
     num_generations: int = Field(8, gt=1)
     max_completion_length: int = Field(64, gt=0)
     loss_type: str = "dapo"
@@ -525,6 +547,9 @@ class GRPOCfg(TrainerCfg):
         "auto", description="rollouts: vLLM colocated in each rank (auto: when installed) or transformers' generate"
     )
     vllm_memory: float = operational(0.3, gt=0, le=1, description="GPU memory fraction of the colocated engine (CUDA only)")
+
+    def longest(self) -> int:
+        return self.max_length + self.max_completion_length
 
     @model_validator(mode="after")
     def _grpo(self) -> GRPOCfg:
@@ -561,12 +586,21 @@ class PostrainCfg(Strict):
     apo: APOCfg
     grpo: GRPOCfg
 
+    @classmethod
+    def trainer_types(cls) -> dict[str, type[TrainerCfg]]:
+        """The trainer registry: every section typed with a TrainerCfg, by name, in recipe order."""
+        fields = cls.model_fields.items()
+        return {name: f.annotation for name, f in fields if isinstance(f.annotation, type) and issubclass(f.annotation, TrainerCfg)}
+
+    def trainers(self) -> dict[str, TrainerCfg]:
+        return {name: getattr(self, name) for name in self.trainer_types()}
+
     @model_validator(mode="after")
     def _split_over_ranks(self) -> PostrainCfg:
         n = self.launcher.nproc
-        for name in ("sft", "apo", "grpo"):
-            if getattr(self, name).batch_size % n:
-                raise ValueError(f"{name}.batch_size {getattr(self, name).batch_size} is not a multiple of launcher.nproc {n}")
+        for name, cfg in self.trainers().items():
+            if cfg.batch_size % n:
+                raise ValueError(f"{name}.batch_size {cfg.batch_size} is not a multiple of launcher.nproc {n}")
         return self
 
 

@@ -7,12 +7,21 @@ writes a key by hand, so a key can neither miss a value the step reads nor inclu
 rerunning an unchanged recipe skips every finished step, and a changed value reruns the steps
 that read it and, through the changed fingerprints, what is downstream of them.
 
-A step builds into `RUN/.partial/NAME` and is committed by writing `manifest.json` there and
-renaming the folder to `RUN/NAME`: a folder without a manifest, or whose manifest names another
-step id, is never taken as finished. A killed build resumes in place when its partial folder has
-the same id. Work is never deleted on an identity change: a finished or partial version with
-another id is moved to `RUN/.previous/NAME-ID` (logged, listed by the dry run), and restored
-from there if the recipe goes back to it.
+One layout: every version of a step lives in a step store as `STORE/NAME-ID`, and `RUN/NAME` is a
+link to the version the run uses. A run's store is `RUN/steps`, a folder of its own or a link to a
+store shared with other runs (an ablation's, or a project-wide one: `storage.store`); a mirror holds
+the same relative names. A version is never moved or deleted when the recipe changes: another id is
+another folder, and going back to a recipe links the old one again.
+
+A step builds into `STORE/.partial/NAME-ID` and commits in three parts, each of which a relaunch
+finishes instead of building again: (1) when its function returns, the summary is written beside the
+folder (`NAME-ID.built.json`); (2) every file is fsynced and recorded with its MD5, and the manifest
+written; (3) the folder is renamed to `STORE/NAME-ID`. The build lock's lease is checked right
+before the rename: a holder whose lease was taken over never commits.
+
+`decide` is the one decision, made the same way by the build, the dry run (`statuses`) and a
+stage's upstream check: cached (in the store), pull (finished on the mirror), resume (a partial
+build, or a build whose commit was cut off), run or rerun.
 """
 
 from __future__ import annotations
@@ -39,10 +48,13 @@ from infra.recipe import Recipe, is_operational, load_recipe, parse_recipe, reci
 from infra.storage import Mirror, StorageError, fingerprint_files, fsync_dir, fsync_tree, write_json_atomic
 
 MANIFEST = "manifest.json"
+FINAL = "final"  # STEP/final: the HF model a step leaves (`Step.model` labels it)
 RECIPE = "recipe.json"  # the run's frozen recipe
-PREVIOUS = ".previous"  # RUN/.previous/NAME-ID[.partial]: versions moved aside when a step's identity changed
-_STEP_ID_FILE = ".step_id"
-STORE = ".store"  # RUN/.store: a link to the step store the run shares with others (an ablation's runs)
+STEPS = "steps"  # RUN/steps: the run's step store, a folder or a link to a shared one
+PARTIAL = ".partial"  # STORE/.partial/NAME-ID: builds in progress (RUN/.partial/NAME links to the run's own)
+BUILT = ".built.json"  # STORE/.partial/NAME-ID.built.json: the function returned this summary; only the commit is left
+BUILDS = "builds.jsonl"  # STORE/builds.jsonl: which run built which version, one line per build
+RUNS = "runs"  # MIRROR/runs/RUN/recipe.json: each run's frozen recipe beside the mirrored store
 _OWNER_FILE = ".recipe_owner"  # the flow run that froze recipe.json: its retries and relaunches read it as is
 # Folders of a step that are neither fingerprinted nor mirrored with it: logs change from run to
 # run, and checkpoints are mirrored as they are written (model/checkpoint.py).
@@ -136,26 +148,42 @@ class StepOutput:
     seconds: float = 0.0
     lineage: dict[str, str] = field(default_factory=dict)  # every upstream step's name -> step id, upstream first
 
+    @property
+    def final(self) -> Path:
+        """The HF model the step left, for steps with a `model` label."""
+        return self.path / FINAL
+
+    @property
+    def folder(self) -> str:
+        """The version's name in the store and on the mirror: NAME-ID."""
+        return folder_name(self.name, self.step_id)
+
 
 def fingerprint_tree(root: Path, skip_dirs: tuple[str, ...] = UNTRACKED_DIRS) -> str:
     """Fingerprint of every file under `root` except the manifest and untracked folders."""
     files = []
     for path in root.rglob("*"):
         rel = path.relative_to(root)
-        if path.is_file() and rel.parts[0] not in skip_dirs and path.name not in (MANIFEST, _STEP_ID_FILE):
+        if path.is_file() and rel.parts[0] not in skip_dirs and path.name != MANIFEST:
             files.append((rel.as_posix(), path))
     return fingerprint_files(files)
 
 
-def building_step_id(out: Path) -> str:
-    """Inside a build: the id of the step being built (e.g. to name what it mirrors)."""
-    return (out / _STEP_ID_FILE).read_text()
+def folder_name(name: str, sid: str) -> str:
+    return f"{name}-{sid}"
+
+
+def folder_step_id(folder: Path) -> str | None:
+    """The step id a step folder's name carries (`NAME-ID`, through any link: `RUN/NAME`, `RUN/.partial/NAME`)."""
+    name = Path(folder).resolve().name
+    sid = name.rpartition("-")[2]
+    return sid if len(sid) == 20 and all(c in "0123456789abcdef" for c in sid) else None
 
 
 def read_manifest(step_dir: Path) -> dict[str, Any] | None:
     try:
         return json.loads((step_dir / MANIFEST).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
         return None
 
 
@@ -181,150 +209,262 @@ def lineage(inputs: Mapping[str, StepOutput]) -> dict[str, str]:
     return out
 
 
+def store_of(run_dir: Path) -> Path:
+    """A run's step store: RUN/steps (a folder, or a link to a shared store)."""
+    return Path(run_dir) / STEPS
+
+
+def version(run_dir: Path, name: str, sid: str) -> Path:
+    """Where version SID of step NAME lives, finished, in the run's store."""
+    return store_of(run_dir) / folder_name(name, sid)
+
+
 def finished(run_dir: Path, name: str) -> StepOutput | None:
-    """The finished step of that name in the run dir, whatever its id (for reports and discovery)."""
+    """The version of step NAME the run links to, if finished (for reports and discovery)."""
     manifest = read_manifest(Path(run_dir) / name)
     return _output(manifest, Path(run_dir) / name, cached=True) if manifest else None
 
 
+# --- the decision ----------------------------------------------------------------------------
+
+
+@dataclass
+class Status:
+    """What building a step would do now, and why: cached, pull, resume, run or rerun."""
+
+    step: Step
+    state: str
+    reason: str = ""
+    changes: list[tuple[str, Any, Any]] = field(default_factory=list)  # config keys changed against the version the run links
+    output: StepOutput | None = None  # cached or pull: its outputs (pull: as the mirror's manifest records them)
+    step_id: str | None = None
+    fingerprints: dict[str, str] = field(default_factory=dict)  # what the id hashes besides the config
+
+
+def decide(
+    run_dir: Path, step: Step, sid: str, fingerprints: Mapping[str, str], mirror: Mirror | None = None, store: Path | None = None
+) -> Status:
+    """The one decision for a step with id SID: the build acts on it, the dry run and upstream checks print it."""
+    run_dir, folder, fingerprints = Path(run_dir), folder_name(step.name, sid), dict(fingerprints)
+    store = Path(store) if store is not None else store_of(run_dir)
+    linked = read_manifest(run_dir / step.name)
+    changes = changed_keys(linked["config"], identity(step.config)) if linked and linked["step_id"] != sid else []
+    found = read_manifest(store / folder)
+    if found and found["step_id"] == sid:
+        reason = "" if linked and linked["step_id"] == sid else f"in the store {store.resolve()}"
+        return Status(step, "cached", reason, [], _output(found, run_dir / step.name, cached=True), sid, fingerprints)
+    partial = store / PARTIAL / folder
+    if read_manifest(partial) or (store / PARTIAL / f"{folder}{BUILT}").is_file():
+        return Status(step, "resume", "built, its commit was cut off: committing without building again", changes, None, sid, fingerprints)
+    if mirror is not None and (remote := _remote_manifest(mirror, folder)) and remote.get("step_id") == sid:
+        output = _output(remote, run_dir / step.name, cached=True)
+        return Status(step, "pull", f"finished on {mirror.prefix}", changes, output, sid, fingerprints)
+    if partial.is_dir():
+        return Status(step, "resume", "a partial build with this identity exists", changes, None, sid, fingerprints)
+    inputs_changed = sorted(k for k, v in fingerprints.items() if linked and linked.get("inputs", {}).get(k) != v)
+    reason = f"inputs changed: {', '.join(inputs_changed)}" if inputs_changed else ""
+    return Status(step, "rerun" if linked else "run", reason, changes, None, sid, fingerprints)
+
+
+def statuses(run_dir: Path, steps: Iterable[Step], mirror: Mirror | None = None, store: Path | None = None) -> list[Status]:
+    """For each step (in DAG order), `decide` on the outputs the steps before it would hand it; a step after
+    one that must run first waits for it ("after NAME")."""
+    run_dir, out, current = Path(run_dir), [], {}
+    for step in steps:
+        waiting = [d.name for d in step.deps.values() if current.get(d.name) is None]
+        if waiting:
+            current[step.name] = None
+            linked = read_manifest(run_dir / step.name)
+            out.append(Status(step, "rerun" if linked else "run", f"after {', '.join(waiting)}"))
+            continue
+        fps = step.fingerprints({k: current[d.name] for k, d in step.deps.items()})
+        status = decide(run_dir, step, step_id(step.name, identity(step.config), fps), fps, mirror, store)
+        current[step.name] = status.output
+        out.append(status)
+    return out
+
+
+def plan_ids(steps: Iterable[Step]) -> dict[str, str]:
+    """An id per step from configs alone, upstream plan ids standing in for content fingerprints (in DAG
+    order). Steps of two runs with equal plan ids receive the same inputs once built, so they get the
+    same step id: an ablation knows before building anything which steps its variants share."""
+    ids: dict[str, str] = {}
+    for step in steps:
+        ids[step.name] = step.step_id({role: ids[d.name] for role, d in step.deps.items()})
+    return ids
+
+
+def require(run_dir: Path, status: Status, needed_by: str) -> None:
+    """Raise UpstreamMissing, saying what to run, unless a step another stage reads is cached or can be pulled."""
+    if status.state in ("cached", "pull"):
+        return
+    step = status.step
+    if finished(run_dir, step.name) is None:
+        raise UpstreamMissing(
+            f"{needed_by} needs the output of step {step.name!r}, which {run_dir} does not have: run the stage that "
+            f"produces it first: `smolflow stage {step.stage} RECIPE --run-dir {run_dir}` (or `smolflow run` for the whole pipeline)"
+        )
+    changed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in status.changes) or status.reason or "its inputs changed"
+    raise UpstreamMissing(
+        f"{needed_by} needs step {step.name!r}, whose output in {run_dir} is out of date with the recipe ({changed}): "
+        f"run `smolflow stage {step.stage} RECIPE --run-dir {run_dir}` first (or `smolflow run`)"
+    )
+
+
 # --- building --------------------------------------------------------------------------------
+
+WAIT_LOG_S = 60.0  # how often a run waiting for another builder says who holds the step
 
 
 def run_step(
-    run_dir: Path, step: Step, inputs: Mapping[str, StepOutput], mirror: Mirror | None = None, store: Path | None = None
+    run_dir: Path, step: Step, inputs: Mapping[str, StepOutput], mirror: Mirror | None = None, wait_s: float = 86400.0
 ) -> StepOutput:
-    """Return the step's outputs, building them only when no finished copy with this identity exists.
+    """The step's outputs: linked from the store, pulled from the mirror, or built (resumed) here, as `decide` says.
 
-    With a `store` (shared by the runs of an ablation), the step lives in `STORE/NAME-ID` and the run
-    dir links to it, so runs whose step has the same identity build it once; a run that finds it being
-    built by another waits for it instead of standing down.
-    """
+    Runs that share a store build a step with the same identity once: a run that finds it being built
+    by another process waits for it, saying who holds it every minute, and gives up after WAIT_S."""
     run_dir = Path(run_dir)
     fingerprints = step.fingerprints(inputs)
     sid = step_id(step.name, identity(step.config), fingerprints)
-    if store is None:
-        return _locked(run_dir, step.name, step, sid, fingerprints, inputs, mirror)
-    folder = f"{step.name}-{sid}"
-    with _store_lock(store / folder):
-        _link(run_dir, run_dir / ".partial" / step.name, store / ".partial" / folder)  # the eval follower sees its checkpoints
-        waited = 0
-        while True:
-            try:
-                output = _locked(Path(store), folder, step, sid, fingerprints, inputs, mirror)
-                break
-            except StepLocked as err:
-                if waited % 300 == 0:
-                    log.info("%s; waiting for it", err)
-                time.sleep(5)
-                waited += 5
-        (run_dir / ".partial" / step.name).unlink(missing_ok=True)
+    return obtain(run_dir, decide(run_dir, step, sid, fingerprints, mirror), mirror, inputs, wait_s)
+
+
+def obtain(
+    run_dir: Path, status: Status, mirror: Mirror | None, inputs: Mapping[str, StepOutput] | None = None, wait_s: float = 86400.0
+) -> StepOutput:
+    """Act on a decision: link a cached version, or take the step's lock and pull, commit or build it
+    (INPUTS are needed only to build), then link it from the run."""
+    step, sid = status.step, status.step_id
+    store, folder = store_of(run_dir), folder_name(step.name, status.step_id)
+    store.mkdir(parents=True, exist_ok=True)
+    if status.state == "cached":
+        log.info("step %s: finished earlier (step id %s), skipping", step.name, sid)
+        (store / PARTIAL / f"{folder}{BUILT}").unlink(missing_ok=True)  # left by a kill right after its commit
+        if mirror is not None:
+            _push_missing(mirror, store / folder, folder, sid)
+        output = status.output
+    else:
+        with _thread_lock(store / folder):
+            output = _wait_and_build(run_dir, store, folder, status, mirror, inputs, wait_s)
         if not output.cached:
             _log_build(store, folder, run_dir, output.seconds)
-    _link(run_dir, run_dir / step.name, store / folder)
+    _link(run_dir / step.name, Path(STEPS) / folder)
     return dataclasses.replace(output, path=run_dir / step.name)
 
 
-BUILDS = "builds.jsonl"  # STORE/builds.jsonl: which run built which store folder, one line per build
-
-
-def _log_build(store: Path, folder: str, run_dir: Path, seconds: float) -> None:
-    line = json.dumps({"folder": folder, "run": run_dir.name, "seconds": seconds, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    with open(Path(store) / BUILDS, "a") as f:  # one short O_APPEND write: lines of concurrent builders never mix
-        f.write(line + "\n")
-
-
-_STORE_LOCKS: dict[Path, threading.Lock] = {}
-
-
-def _store_lock(folder: Path) -> threading.Lock:
-    """One builder per store folder among the threads of this process (the lock file covers processes)."""
-    return _STORE_LOCKS.setdefault(folder.resolve(), threading.Lock())
-
-
-def _link(run_dir: Path, link: Path, target: Path) -> None:
-    """Point LINK at TARGET (relative, replaced atomically); a real folder there is set aside, never deleted."""
-    link.parent.mkdir(parents=True, exist_ok=True)
-    if link.exists() and not link.is_symlink():
-        _set_aside(run_dir, link, link.name)
-    tmp = link.with_name(f".{link.name}.link")
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(os.path.relpath(target, link.parent))
-    os.replace(tmp, link)
-
-
-def _locked(root: Path, folder: str, step: Step, sid: str, fingerprints: dict[str, str], inputs, mirror: Mirror | None) -> StepOutput:
-    final = root / folder
-    manifest = read_manifest(final)
-    if manifest and manifest.get("step_id") == sid:
-        log.info("step %s: finished earlier (step id %s), skipping", step.name, sid)
-        if mirror is not None:
-            _push_missing(mirror, final, folder, sid)
-        return _output(manifest, final, cached=True)
-    path = root / ".partial" / f"{folder}.lock"
-    lock = acquire(path)
-    if lock is None:
-        raise StepLocked(
-            f"step {step.name} is being built by {describe(holder(path))}; not starting a second builder "
-            f"(the lock is freed when that process exits, or, from another host, when its lease expires)"
-        )
+def _wait_and_build(run_dir: Path, store: Path, folder: str, status: Status, mirror, inputs, wait_s: float) -> StepOutput:
+    path, started, said = store / PARTIAL / f"{folder}.lock", time.time(), 0.0
+    while True:
+        lock = acquire(path)
+        if lock is not None:
+            break
+        waited = time.time() - started
+        who = describe(holder(path))
+        if waited >= wait_s:
+            raise StepLocked(
+                f"step {status.step.name} is being built by {who}; gave up waiting after {waited:.0f} s "
+                f"(storage.wait_for_builder_s; the lock is freed when that process exits, or, from another host, when its lease expires)"
+            )
+        if waited >= said:
+            log.info("step %s is being built by %s; waiting for it (%.0f s so far)", status.step.name, who, waited)
+            said += WAIT_LOG_S
+        time.sleep(min(5.0, max(0.05, wait_s - waited)))
+    building = run_dir / PARTIAL / status.step.name  # the eval follower and the user see the build through it
     try:
+        _link(building, Path("..") / STEPS / PARTIAL / folder)
         with holding(lock):
-            return _build(root, folder, step, sid, fingerprints, inputs, mirror)
+            output = _build(store, folder, status, mirror, inputs, lock)
+        building.unlink()  # kept while the build is unfinished: it points at what a relaunch resumes
+        return output
     finally:
         lock.release()
 
 
-def _build(root: Path, folder: str, step: Step, sid: str, fingerprints: dict[str, str], inputs, mirror: Mirror | None) -> StepOutput:
-    """Build into ROOT/.partial/FOLDER and commit to ROOT/FOLDER (FOLDER: the step's name, or NAME-ID in a store)."""
-    name = step.name
-    final, partial = root / folder, root / ".partial" / folder
+def _build(store: Path, folder: str, status: Status, mirror: Mirror | None, inputs, lock) -> StepOutput:
+    """Under the step's lock: pull, finish a cut-off commit, or build into STORE/.partial/FOLDER; then commit."""
+    step, sid = status.step, status.step_id
+    final, partial, built = store / folder, store / PARTIAL / folder, store / PARTIAL / f"{folder}{BUILT}"
     if (manifest := read_manifest(final)) and manifest.get("step_id") == sid:  # finished while we waited for the lock
+        built.unlink(missing_ok=True)
         return _output(manifest, final, cached=True)
-    kept = _previous(root, folder, sid)
-    if (manifest := read_manifest(kept)) and manifest.get("step_id") == sid:
-        log.info("step %s: restoring the finished version %s kept in %s", name, sid, kept)
-        _commit(root, kept, final)
-        return _output(manifest, final, cached=True)
-    if mirror is not None and (remote := _remote_manifest(mirror, folder)) and remote.get("step_id") == sid:
-        log.info("step %s: pulling the finished copy from %s", name, mirror.prefix)
-        _set_aside(root, partial, folder)
-        mirror.pull(folder, partial, MANIFEST)
-        if fingerprint_tree(partial) == remote["fingerprint"]:
-            _commit(root, partial, final)
-            return _output(remote, final, cached=True)
-        log.warning("step %s: the copy on %s does not match its manifest's fingerprint: building it here", name, mirror.prefix)
-        _set_aside(root, partial, folder)
-    if partial.exists() and _read_text(partial / _STEP_ID_FILE) != sid:
-        _set_aside(root, partial, folder)
-    if not partial.exists() and _previous(root, folder, sid, ".partial").exists():
-        log.info("step %s: resuming the partial build %s kept in %s", name, sid, PREVIOUS)
-        os.replace(_previous(root, folder, sid, ".partial"), partial)
-    partial.mkdir(parents=True, exist_ok=True)
-    (partial / _STEP_ID_FILE).write_text(sid)
-
-    started = time.time()
-    summary = step.fn(step.config, inputs, partial)
-    seconds = round(time.time() - started, 3)
-    manifest = {
-        "name": name,
-        "step_id": sid,
-        "config": identity(step.config),
-        "inputs": fingerprints,
-        "lineage": list(lineage(inputs).items()),  # pairs: JSON objects are written with sorted keys
-        "fingerprint": fingerprint_tree(partial),
-        "summary": summary,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "seconds": seconds,
-        "host": {"name": socket.gethostname(), "python": platform.python_version(), "platform": platform.platform()},
-    }
-    (partial / _STEP_ID_FILE).unlink()
-    manifest["files"] = fsync_tree(partial, skip_dirs=UNTRACKED_DIRS)  # on disk before the manifest says finished
-    write_json_atomic(partial / MANIFEST, manifest)
-    _commit(root, partial, final)
+    if (manifest := read_manifest(partial)) is None and not built.is_file() and mirror is not None:
+        if (remote := _remote_manifest(mirror, folder)) and remote.get("step_id") == sid:
+            pulled = store / PARTIAL / f"{folder}.pull"
+            log.info("step %s: pulling the finished copy from %s", step.name, mirror.prefix)
+            mirror.pull(folder, pulled, MANIFEST)
+            if fingerprint_tree(pulled) == remote["fingerprint"]:
+                lock.check()
+                _commit(pulled, final)
+                return _output(remote, final, cached=True)
+            log.warning("step %s: the copy on %s does not match its manifest's fingerprint: building it here", step.name, mirror.prefix)
+    if manifest is None:
+        if built.is_file():
+            record = json.loads(built.read_text())
+            log.info("step %s: its function finished earlier (step id %s): committing it without building again", step.name, sid)
+        else:
+            if inputs is None:
+                raise UpstreamMissing(f"step {step.name} must be built, not only linked: run its stage `smolflow stage {step.stage}`")
+            if partial.is_dir():
+                log.info("step %s: resuming the partial build %s", step.name, partial)
+            partial.mkdir(parents=True, exist_ok=True)
+            started = time.time()
+            summary = step.fn(step.config, inputs, partial)
+            record = {
+                "summary": summary,
+                "inputs": status.fingerprints,
+                "lineage": list(lineage(inputs).items()),  # pairs: JSON objects are written with sorted keys
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+                "seconds": round(time.time() - started, 3),
+            }
+            write_json_atomic(built, record)  # (1): from here on a relaunch commits, never builds again
+        (partial / f".{MANIFEST}.tmp").unlink(missing_ok=True)  # a manifest write cut off: no output of the step
+        manifest = {
+            "name": step.name,
+            "step_id": sid,
+            "config": identity(step.config),
+            **record,
+            "fingerprint": fingerprint_tree(partial),
+            "host": {"name": socket.gethostname(), "python": platform.python_version(), "platform": platform.platform()},
+        }
+        manifest["files"] = fsync_tree(partial, skip_dirs=UNTRACKED_DIRS)  # (2): on disk before the manifest says finished
+        write_json_atomic(partial / MANIFEST, manifest)
+    lock.check()  # a holder whose lease was taken over never commits
+    _commit(partial, final)  # (3)
+    built.unlink(missing_ok=True)
     if mirror is not None:
         mirror.push(final, folder, MANIFEST, skip_dirs=UNTRACKED_DIRS)
-    log.info("step %s: built in %.1f s", name, seconds)
+    log.info("step %s: built in %.1f s", step.name, manifest.get("seconds", 0.0))
     return _output(manifest, final, cached=False)
+
+
+def _commit(ready: Path, final: Path) -> None:
+    os.replace(ready, final)
+    fsync_dir(final.parent)
+
+
+def _log_build(store: Path, folder: str, run_dir: Path, seconds: float) -> None:
+    line = json.dumps({"folder": folder, "run": run_dir.name, "seconds": seconds, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    with open(store / BUILDS, "a") as f:  # one short O_APPEND write: lines of concurrent builders never mix
+        f.write(line + "\n")
+
+
+_THREAD_LOCKS: dict[Path, threading.Lock] = {}
+
+
+def _thread_lock(folder: Path) -> threading.Lock:
+    """One builder per store folder among the threads of this process (the lock file covers processes)."""
+    return _THREAD_LOCKS.setdefault(folder.resolve(), threading.Lock())
+
+
+def _link(link: Path, target: Path) -> None:
+    """Point LINK at TARGET (relative to LINK's folder), replaced atomically."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.exists() and not link.is_symlink():
+        raise SmolflowError(f"{link} is a folder, not a link to a version in the step store: move it away (nothing was changed)")
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.{threading.get_ident()}.link")  # one per writer: runs link at once
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
 
 
 def _remote_manifest(mirror: Mirror, folder: str) -> dict[str, Any] | None:
@@ -353,112 +493,54 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _previous(run_dir: Path, name: str, sid: str, suffix: str = "") -> Path:
-    return run_dir / PREVIOUS / f"{name}-{sid}{suffix}"
+# --- run dirs of the old layout --------------------------------------------------------------
+
+_OLD_PREVIOUS, _OLD_STORE, _OLD_STEP_ID = ".previous", ".store", ".step_id"
 
 
-def _set_aside(run_dir: Path, folder: Path, name: str) -> None:
-    """Move a finished or partial version of NAME with another identity to RUN/.previous (never delete it)."""
-    if not folder.exists():
-        return
-    manifest = read_manifest(folder)
-    sid = manifest["step_id"] if manifest else _read_text(folder / _STEP_ID_FILE) or "unknown"
-    target = _previous(run_dir, name, sid, "" if manifest else ".partial")
-    if target.exists():  # the same version kept earlier: add this copy beside it
-        target = target.with_name(f"{target.name}.{int(time.time())}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(folder, target)
-    log.warning(
-        "step %s: its %s version %s no longer matches the recipe; kept at %s", name, "finished" if manifest else "partial", sid, target
-    )
+def convert_layout(run_dir: Path) -> list[str]:
+    """Move a run dir made by smolflow before the one layout into it, in place, rebuilding nothing: finished
+    steps (`RUN/NAME`) and kept versions (`RUN/.previous/NAME-ID`) into the store, partial builds into its
+    `.partial/`, an ablation's `.store` link renamed `steps`. Returns what was moved (logged)."""
+    run_dir, moved = Path(run_dir), []
+    if (run_dir / _OLD_STORE).is_symlink() and not os.path.lexists(run_dir / STEPS):
+        os.replace(run_dir / _OLD_STORE, run_dir / STEPS)
+        moved.append(f"{_OLD_STORE} -> {STEPS}")
+    store = store_of(run_dir)
 
+    def move(src: Path, dst: Path) -> None:
+        if os.path.lexists(dst):
+            log.warning("layout: %s is already in the store as %s: left where it is", src, dst)
+            return
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src, dst)
+        moved.append(f"{src.relative_to(run_dir)} -> {dst.relative_to(run_dir)}")
 
-def _commit(run_dir: Path, ready: Path, final: Path) -> None:
-    """Move a complete folder into place; a finished version with another id goes to RUN/.previous first."""
-    _set_aside(run_dir, final, final.name)
-    os.replace(ready, final)
-    fsync_dir(final.parent)
-
-
-def kept_versions(run_dir: Path) -> list[Path]:
-    """Versions moved aside by identity changes, for the dry run to list."""
-    folder = Path(run_dir) / PREVIOUS
-    return sorted(folder.iterdir()) if folder.is_dir() else []
-
-
-# --- what a run would do ---------------------------------------------------------------------
-
-
-@dataclass
-class Status:
-    """What running a step would do now: cached, run, rerun, resume or restore, and why."""
-
-    step: Step
-    state: str
-    reason: str = ""
-    changes: list[tuple[str, Any, Any]] = field(default_factory=list)
-    output: StepOutput | None = None  # where a cached step's outputs are
-
-
-def statuses(run_dir: Path, steps: Iterable[Step], store: Path | None = None) -> list[Status]:
-    """For each step (in DAG order), whether it is cached or would (re)build, with the config keys that changed
-    (looking in the run's step store, if it has one or `store` is given)."""
-    run_dir, out, current = Path(run_dir), [], {}
-    store = store or store_of(run_dir)
-    for step in steps:
-        manifest = read_manifest(run_dir / step.name)
-        changes = changed_keys(manifest["config"], identity(step.config)) if manifest else []
-        waiting = [d.name for d in step.deps.values() if current.get(d.name) is None]
-        if waiting:
-            current[step.name] = None
-            state = "rerun" if manifest else "run"
-            out.append(Status(step, state, f"after {', '.join(waiting)}", changes))
-            continue
-        fps = step.fingerprints({k: current[d.name] for k, d in step.deps.items()})
-        sid = step_id(step.name, identity(step.config), fps)
-        root, folder = (store, f"{step.name}-{sid}") if store else (run_dir, step.name)
-        found = read_manifest(root / folder)
-        if found and found["step_id"] == sid:
-            current[step.name] = _output(found, root / folder, cached=True)
-            reason = "" if manifest and manifest["step_id"] == sid else f"in the store {store}"
-            out.append(Status(step, "cached", reason, output=current[step.name]))
-            continue
-        current[step.name] = None
-        inputs_changed = sorted(k for k, v in fps.items() if manifest and manifest.get("inputs", {}).get(k) != v)
-        reason = f"inputs changed: {', '.join(inputs_changed)}" if inputs_changed else ""
-        if read_manifest(_previous(root, folder, sid)):
-            out.append(Status(step, "restore", f"kept in {PREVIOUS}", changes))
-        elif _read_text(root / ".partial" / folder / _STEP_ID_FILE) == sid or _previous(root, folder, sid, ".partial").exists():
-            out.append(Status(step, "resume", "a partial build with this identity exists", changes))
-        else:
-            out.append(Status(step, "rerun" if manifest else "run", reason, changes))
-    return out
-
-
-def plan_ids(steps: Iterable[Step]) -> dict[str, str]:
-    """An id per step from configs alone, upstream plan ids standing in for content fingerprints (in DAG
-    order). Steps of two runs with equal plan ids receive the same inputs once built, so they get the
-    same step id: an ablation knows before building anything which steps its variants share."""
-    ids: dict[str, str] = {}
-    for step in steps:
-        ids[step.name] = step.step_id({role: ids[d.name] for role, d in step.deps.items()})
-    return ids
-
-
-def require(run_dir: Path, step: Step, status: Status, needed_by: str) -> StepOutput:
-    """A finished upstream step of another stage, current with the recipe (`status`); says what to run if not."""
-    if status.state == "cached" and status.output is not None:
-        return status.output
-    if finished(run_dir, step.name) is None:
-        raise UpstreamMissing(
-            f"{needed_by} needs the output of step {step.name!r}, which {run_dir} does not have: run the stage that "
-            f"produces it first: `smolflow stage {step.stage} RECIPE --run-dir {run_dir}` (or `smolflow run` for the whole pipeline)"
-        )
-    changed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in status.changes) or status.reason or "its inputs changed"
-    raise UpstreamMissing(
-        f"{needed_by} needs step {step.name!r}, whose output in {run_dir} is out of date with the recipe ({changed}): "
-        f"run `smolflow stage {step.stage} RECIPE --run-dir {run_dir}` first (or `smolflow run`)"
-    )
+    for entry in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
+        if entry.is_dir() and not entry.is_symlink() and (m := read_manifest(entry)) and m.get("name") == entry.name:
+            move(entry, store / folder_name(entry.name, m["step_id"]))
+            _link(entry, Path(STEPS) / folder_name(entry.name, m["step_id"]))
+    old = run_dir / _OLD_PREVIOUS
+    for entry in sorted(old.iterdir()) if old.is_dir() else []:
+        if entry.name.endswith(".partial") and folder_step_id(entry.with_name(entry.name.removesuffix(".partial"))):
+            move(entry, store / PARTIAL / entry.name.removesuffix(".partial"))
+        elif read_manifest(entry):
+            move(entry, store / entry.name)
+    partial = run_dir / PARTIAL
+    for entry in sorted(partial.iterdir()) if partial.is_dir() else []:
+        if entry.is_dir() and not entry.is_symlink() and (sid := _read_text(entry / _OLD_STEP_ID)):
+            (entry / _OLD_STEP_ID).unlink()
+            move(entry, store / PARTIAL / folder_name(entry.name, sid.strip()))
+        elif entry.suffix == ".lock" and entry.is_file() and not entry.is_symlink() and entry.stat().st_size == 0:
+            entry.unlink()
+    for folder in (old, partial):
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+    for line in moved:
+        log.warning("layout of %s converted: %s", run_dir, line)
+    if old.is_dir():
+        log.warning("layout: %s still holds versions with no id (an old partial build): kept, never resumed", old)
+    return moved
 
 
 # --- one run of a recipe ---------------------------------------------------------------------
@@ -494,6 +576,8 @@ class Run:
         frozen = _read_json(root / RECIPE)
         if frozen is None and new is None:
             raise SmolflowError(f"{root} holds no run (no {RECIPE}): pass the recipe")
+        if root.is_dir():
+            convert_layout(root)
         reuse = new is None or (owner is not None and _read_text(root / _OWNER_FILE) == owner)
         if reuse and frozen is not None:
             recipe = _OPENED.get(root.resolve())
@@ -503,29 +587,63 @@ class Run:
         changes = tuple(changed_keys(frozen, recipe_dump(new))) if frozen is not None else ()
         for key, old, value in changes:
             log.warning("recipe of %s: %s changed: %r -> %r", root, key, old, value)
+        run = cls._make(new, root, changes, prepare=freeze)
         if freeze:
-            root.mkdir(parents=True, exist_ok=True)
             write_json_atomic(root / RECIPE, recipe_dump(new))
             (root / _OWNER_FILE).write_text(owner or "")
             _OPENED[root.resolve()] = new
-        run = cls._make(new, root, changes)
-        if freeze and run.mirror is not None:  # the runs of a store share a mirror: each recipe under its run's name
-            run.mirror.put_file(root / RECIPE, f"{root.name}/{RECIPE}" if store_of(root) else RECIPE)
+            if run.mirror is not None:  # beside the store it mirrors, under the run's name
+                run.mirror.put_file(root / RECIPE, f"{RUNS}/{root.name}/{RECIPE}")
         return run
 
     @classmethod
-    def _make(cls, recipe: Recipe, root: Path, changes: tuple = ()) -> Run:
+    def _make(cls, recipe: Recipe, root: Path, changes: tuple = (), prepare: bool = True) -> Run:
         mirror = Mirror(recipe.storage.mirror, recipe.storage.s3) if recipe.storage.mirror else None
-        return cls(recipe=recipe, run_dir=root, mirror=mirror, changes=changes)
+        run = cls(recipe=recipe, run_dir=root, mirror=mirror, changes=changes)
+        if prepare:
+            run._link_store()
+        return run
+
+    @property
+    def store(self) -> Path:
+        """The step store: the recipe's shared `storage.store`, else the run's own RUN/steps."""
+        return Path(self.recipe.storage.store) if self.recipe.storage.store else store_of(self.run_dir)
+
+    def _link_store(self) -> None:
+        """Make RUN/steps the run's store: a folder of its own, or a link to the shared store."""
+        link = store_of(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.recipe.storage.store is None:
+            if not os.path.lexists(link):
+                link.mkdir()
+            return
+        self.store.mkdir(parents=True, exist_ok=True)
+        target = os.path.relpath(self.store.resolve(), self.run_dir.resolve())
+        if link.is_symlink() and os.readlink(link) == target:
+            return
+        if os.path.lexists(link) and not link.is_symlink():
+            if any(link.iterdir()):
+                raise SmolflowError(
+                    f"{link} holds step versions of its own and the recipe sets storage.store={self.recipe.storage.store}: "
+                    f"move them into {self.store} (or drop the setting for this run dir)"
+                )
+            link.rmdir()
+        if link.is_symlink():
+            log.warning("run %s: its step store changes from %s to %s", self.run_dir, os.readlink(link), target)
+        tmp = link.with_name(f".{STEPS}.{os.getpid()}.{threading.get_ident()}.link")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(target)
+        os.replace(tmp, link)
+
+    def statuses(self, steps: Iterable[Step]) -> list[Status]:
+        return statuses(self.run_dir, steps, self.mirror, self.store)
 
     def build(self, step: Step, inputs: Mapping[str, StepOutput]) -> StepOutput:
-        return run_step(self.run_dir, step, inputs, self.mirror, store_of(self.run_dir))
+        return run_step(self.run_dir, step, inputs, self.mirror, self.recipe.storage.wait_for_builder_s)
 
-
-def store_of(run_dir: Path) -> Path | None:
-    """The step store a run dir shares with others (its `.store` link), if any."""
-    link = Path(run_dir) / STORE
-    return link if link.is_dir() else None
+    def obtain(self, status: Status) -> StepOutput:
+        """A cached or pullable upstream step of another stage, linked (pulled) into the run."""
+        return obtain(self.run_dir, status, self.mirror, None, self.recipe.storage.wait_for_builder_s)
 
 
 def frozen_recipe(data: dict[str, Any], source: str) -> Recipe:

@@ -127,17 +127,14 @@ class TrainerPlan:
 
 
 def trainer_plans(m: ModelCfg, post: PostrainCfg, vocab_size: int, memory_gb: float) -> list[TrainerPlan]:
-    """SFT, APO and GRPO on `post.launcher`: the same 16 bytes per parameter as pretraining, sharded by
+    """Every registered trainer (SFT, APO, GRPO) on `post.launcher`: the same 16 bytes per parameter as pretraining, sharded by
     the launcher's ZeRO stage over its ranks, plus activations of the longest micro-step (APO holds a
     chosen and a rejected answer per pair; GRPO a prompt and its completion). Rollout engines (vLLM) not counted."""
     launcher, config = post.launcher, model_config(m, vocab_size, post.sft.max_length)
     params, n, z = count_params(config), launcher.nproc, launcher.zero_stage
     plans = []
-    for name, cfg, seqs, seq in [
-        ("sft", post.sft, 1, post.sft.max_length),
-        ("apo", post.apo, 2, post.apo.max_length),
-        ("grpo", post.grpo, 1, post.grpo.max_length + post.grpo.max_completion_length),
-    ]:
+    for name, cfg in post.trainers().items():
+        seqs, seq = cfg.rows_per_example, cfg.longest()
         per_rank = cfg.batch_size // n
         act = activation_bytes(seq, per_rank * seqs, m.hidden_size, m.num_hidden_layers, 1, 1)
         memory = memory_per_gpu(params, z, n, 1, 1, act)

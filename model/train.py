@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from infra.env import skip_deepspeed_shm_build, thread_count
 from infra.procs import PREEMPTED, PREEMPTED_MARK, die_with_parent, watch_owner
 from infra.recipe import S3Cfg, SpikeCfg
+from infra.steps import FINAL
 from infra.storage import Mirror
 from model.checkpoint import MARKER, CheckpointStore, DiskFull, MirrorBehind, tag_for, verify, weights_only_engine
 from model.config import TrainConfig, TrainJob
@@ -458,7 +459,7 @@ def finish(job: TrainJob, engine, store, tokenizer, tracker, rank, step, guard, 
         "checkpoint_seconds": round(sum(saves) / len(saves), 3) if saves else None,
     }
     if rank == 0 and done:
-        export_final(engine, tokenizer, Path(job.out_dir) / "final", cfg.yarn_factor)
+        export_final(engine, tokenizer, Path(job.out_dir) / FINAL, cfg.yarn_factor)
         (Path(job.out_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     tracker.finish()
     dist.barrier()

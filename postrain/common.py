@@ -15,6 +15,7 @@ from typing import Any
 
 from infra.errors import SmolflowError
 from infra.recipe import TrainerCfg
+from infra.steps import FINAL
 from postrain.data import extract_answer, is_correct
 from postrain.generation import Backend, stop_token_ids
 
@@ -193,10 +194,10 @@ def train_and_save(trainer, out: Path, curves: dict[str, str]) -> dict[str, Any]
     if state.get("global_step", 0) >= trainer.args.max_steps:
         # killed after its last checkpoint: resuming would train one step past max_steps (at a zero learning
         # rate, but with its own rollouts and log line), so the checkpoint's weights are the final model
-        save_final(trainer, out / "final", checkpoint=resume)
+        save_final(trainer, out / FINAL, checkpoint=resume)
         history = state["log_history"]
     else:
         trainer.train(resume_from_checkpoint=resume)
-        save_final(trainer, out / "final")
+        save_final(trainer, out / FINAL)
         history = trainer.state.log_history
     return {"resumed_from": resume, **{name: loss_history(history, key) for name, key in curves.items()}}

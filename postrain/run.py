@@ -11,13 +11,13 @@ import argparse
 import importlib
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel
 
 from infra.env import skip_deepspeed_shm_build
 from infra.procs import die_with_parent, watch_owner
-from infra.recipe import APOCfg, GRPOCfg, SFTCfg
+from infra.recipe import PostrainCfg
 from infra.storage import write_json_atomic
 from postrain.data import read_jsonl
 
@@ -25,7 +25,7 @@ RESULT = "result.json"
 
 
 class PostJob(BaseModel):
-    stage: Literal["sft", "apo", "grpo"]
+    stage: str  # a trainer's section of the recipe (`PostrainCfg.trainer_types`)
     model: str  # the HF model to start from
     data: str  # JSONL: chat examples (sft, grpo) or preference pairs (apo)
     config: dict[str, Any]  # the stage's trainer config (SFTCfg, APOCfg, GRPOCfg)
@@ -48,9 +48,11 @@ def load_cpu_index_locations() -> None:
 
 
 def run(job: PostJob) -> dict[str, Any]:
-    """Only the job's stage is imported: TRL's GRPO module loads vLLM, 5-7 s more on every SFT or APO rank."""
-    cfg_cls = {"sft": SFTCfg, "apo": APOCfg, "grpo": GRPOCfg}[job.stage]
-    trainer = getattr(importlib.import_module(f"postrain.{job.stage}"), f"run_{job.stage}")
+    """The job's trainer from the registry (infra/recipe.py `PostrainCfg.trainer_types`). Only its module is
+    imported: TRL's GRPO module loads vLLM, 5-7 s more on every SFT or APO rank."""
+    cfg_cls = PostrainCfg.trainer_types()[job.stage]
+    module, function = cfg_cls.trainer.split(":")
+    trainer = getattr(importlib.import_module(module), function)
     return trainer(job.model, read_jsonl(Path(job.data)), cfg_cls.model_validate(job.config), Path(job.out), job.seed)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from infra.errors import SmolflowError
-from infra.steps import StepOutput, building_step_id, identity, read_manifest
+from infra.steps import FINAL, StepOutput, folder_step_id, identity, read_manifest, version
 from postrain.data import sign_slips_note
 
 CARD = "README.md"
@@ -175,20 +175,20 @@ def lineage_manifests(inputs: Mapping[str, StepOutput]) -> list[dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for upstream in inputs.values():
         for name, sid in (upstream.lineage | {upstream.name: upstream.step_id}).items():
-            manifest = read_manifest(upstream.path.parent / name)
-            if manifest and manifest["step_id"] == sid:
+            manifest = read_manifest(version(upstream.path.parent, name, sid))
+            if manifest:
                 out.setdefault(name, manifest)
     return list(out.values())
 
 
 def write_card(out: Path, config: BaseModel, summary: dict[str, Any], inputs: Mapping[str, StepOutput]) -> Path:
     """Inside a build: write `out/final/README.md` for the model the step leaves there."""
-    sid = building_step_id(out)
+    sid = folder_step_id(out)
     name = out.name.removesuffix(f"-{sid}")  # a store folder is NAME-ID
     own = {"name": name, "step_id": sid, "config": identity(config), "summary": summary}
-    run_dir = next(iter(inputs.values())).path.parent if inputs else out.parent.parent
-    path = out / "final" / CARD
-    path.write_text(render(out / "final", name, sid, run_dir, [*lineage_manifests(inputs), own], {}))
+    run_dir = next(iter(inputs.values())).path.parent if inputs else out.parent.parent.parent  # RUN/NAME, else RUN/steps/.partial/NAME-ID
+    path = out / FINAL / CARD
+    path.write_text(render(out / FINAL, name, sid, run_dir, [*lineage_manifests(inputs), own], {}))
     return path
 
 
@@ -198,12 +198,12 @@ def publish_card(run_dir: Path, name: str) -> tuple[Path, str]:
 
     step = run_dir / name
     manifest = read_manifest(step)
-    if manifest is None or not (step / "final" / "config.json").is_file():
-        found = sorted(p.parent.parent.name for p in run_dir.glob("*/final/config.json") if read_manifest(p.parent.parent))
+    if manifest is None or not (step / FINAL / "config.json").is_file():
+        found = sorted(p.parent.parent.name for p in run_dir.glob(f"*/{FINAL}/config.json") if read_manifest(p.parent.parent))
         raise SmolflowError(f"{step}: no finished model folder (final/ of a finished step); finished here: {', '.join(found) or 'none'}")
-    folder = step / "final"
+    folder = step / FINAL
     record = ResultStore(str(run_dir / "evals" / "results")).get(local_fingerprint(folder)) or {}
-    lineage = [m for n, sid in manifest.get("lineage", []) if (m := read_manifest(run_dir / n)) and m["step_id"] == sid]
+    lineage = [m for n, sid in manifest.get("lineage", []) if (m := read_manifest(version(run_dir, n, sid)))]
     return folder, render(folder, name, manifest["step_id"], run_dir, [*lineage, manifest], record.get("tasks", {}))
 
 

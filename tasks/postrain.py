@@ -9,6 +9,7 @@ from), `pairs`.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 from collections import Counter
@@ -16,11 +17,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from pydantic import create_model
 
 from infra.errors import TrainerFailed
 from infra.launch import accelerate_command, free_port, launch_env, run_streaming
-from infra.recipe import AccelerateCfg, APOCfg, ChatDataCfg, GenerationCfg, GRPOCfg, PreferenceCfg, SFTCfg, Strict, TrainerCfg
-from infra.steps import StepOutput
+from infra.recipe import AccelerateCfg, ChatDataCfg, GenerationCfg, PreferenceCfg, Recipe, Strict, TrainerCfg
+from infra.steps import FINAL, Step, StepOutput
 from infra.storage import write_json_atomic
 from postrain import data as chat
 from postrain.common import heldout_accuracy
@@ -34,13 +36,16 @@ from tasks.curation.corpus import read_eval_questions
 from tasks.evaluation.report import falls, ladder
 
 Inputs = Mapping[str, StepOutput]
+# the files the data steps leave, declared once: chat_data's training and held-out chats, preference's pairs
+TRAIN, HELDOUT, PAIRS = "train.jsonl", "heldout.jsonl", "pairs.jsonl"
+DATA = {"chats": TRAIN, "pairs": PAIRS}  # what a trainer reads from an input of that role
 
 
 def score(cfg: GenerationCfg, model_path: Path, chats: StepOutput) -> dict:
     """Held-out accuracy and answer length of one model, its backend released afterwards."""
     backend = make_backend(cfg.backend, str(model_path), cfg.batch_size, run_logger().info)
     try:
-        return heldout_accuracy(backend, backend.tokenizer, chat.read_jsonl(chats.path / "heldout.jsonl"), cfg.max_new_tokens)
+        return heldout_accuracy(backend, backend.tokenizer, chat.read_jsonl(chats.path / HELDOUT), cfg.max_new_tokens)
     finally:
         del backend
         gc.collect()
@@ -64,8 +69,8 @@ def chat_data(cfg: ChatDataStepCfg, inputs: Inputs, out: Path) -> dict:
     kept, counts = chat.dedup_and_decontaminate(items, read_eval_questions(cfg.eval_sets), d.dedup_threshold)
     heldout, train = kept[: d.heldout], kept[d.heldout :]
     slips = chat.plant_sign_slips(train, d.sign_slips, cfg.seed)
-    chat.write_jsonl(out / "train.jsonl", train)
-    chat.write_jsonl(out / "heldout.jsonl", heldout)
+    chat.write_jsonl(out / TRAIN, train)
+    chat.write_jsonl(out / HELDOUT, heldout)
     summary = {"generated": len(items), **counts, "train": len(train), "heldout": len(heldout), "sign_slips": slips}
     summary["families"] = dict(Counter(item["family"] for item in train))
     summary["mixture_shortfalls"] = chat.mixture_shortfalls(summary["families"], d.families)
@@ -76,7 +81,8 @@ def chat_data(cfg: ChatDataStepCfg, inputs: Inputs, out: Path) -> dict:
 
 
 class TrainedStepCfg(Strict):
-    """What the training steps share: their launcher, how they score their model on the held-out prompts, the seed."""
+    """What the training steps share: their launcher, how they score their model on the held-out prompts, the seed.
+    Each training step's config adds its trainer's recipe section under the same name (`trained`)."""
 
     launcher: AccelerateCfg
     heldout_eval: GenerationCfg
@@ -102,22 +108,34 @@ def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, dat
 
 def scored(cfg: TrainedStepCfg, result: dict, out: Path, inputs: Inputs) -> dict:
     """The trainer's result plus the held-out score of the model it left in `out/final`, which gets its card."""
-    summary = {**result, "eval": score(cfg.heldout_eval, out / "final", inputs["chats"])}
+    summary = {**result, "eval": score(cfg.heldout_eval, out / FINAL, inputs["chats"])}
     run_logger().info("%s: held-out accuracy %.1f%%", out.name, 100 * summary["eval"]["accuracy"])
     write_card(out, cfg, summary, inputs)
     return summary
 
 
-class SFTStepCfg(TrainedStepCfg):
-    sft: SFTCfg
+def trained(
+    recipe: Recipe, stage: str, deps: Mapping[str, Step], data: str = "chats", start: str = "policy", score_start: bool = False
+) -> Step:
+    """The step that trains the recipe's STAGE trainer (the `postrain.STAGE` section, a TrainerCfg registered in
+    infra/recipe.py): from the model of input START, on the file input DATA holds (`DATA`); it scores the model on
+    the held-out prompts (with SCORE_START, the starting model too) and leaves it in `final/`, labelled STAGE."""
+    section = getattr(recipe.postrain, stage)
+    cfg_type = create_model(f"{stage.upper()}StepCfg", __base__=TrainedStepCfg, **{stage: (type(section), ...)})
+    seed = recipe.seed if section.seed is None else section.seed
+    config = cfg_type(launcher=recipe.postrain.launcher, heldout_eval=recipe.postrain.heldout_eval, seed=seed, **{stage: section})
+    fn = functools.partial(train_step, stage=stage, data=data, start=start, score_start=score_start)
+    return Step(stage, stage, fn, config, deps, model=stage)
 
 
-def sft(cfg: SFTStepCfg, inputs: Inputs, out: Path) -> dict:
-    chats, base = inputs["chats"], inputs["base"].path / "final"
-    before = score(cfg.heldout_eval, base, chats)
-    run_logger().info("%s: the base model's held-out accuracy %.1f%%", out.name, 100 * before["accuracy"])
-    result = train(cfg, "sft", cfg.sft, base, chats.path / "train.jsonl", out)
-    return scored(cfg, {**result, "eval_before": before}, out, inputs)
+def train_step(cfg: TrainedStepCfg, inputs: Inputs, out: Path, stage: str, data: str, start: str, score_start: bool) -> dict:
+    model, chats = inputs[start].final, inputs["chats"]
+    before = {}
+    if score_start:
+        before = {"eval_before": score(cfg.heldout_eval, model, chats)}
+        run_logger().info("%s: the starting model's held-out accuracy %.1f%%", stage, 100 * before["eval_before"]["accuracy"])
+    result = train(cfg, stage, getattr(cfg, stage), model, inputs[data].path / DATA[data], out)
+    return scored(cfg, {**result, **before}, out, inputs)
 
 
 class PreferenceStepCfg(Strict):
@@ -127,38 +145,20 @@ class PreferenceStepCfg(Strict):
 def preference(cfg: PreferenceStepCfg, inputs: Inputs, out: Path) -> dict:
     """Strong vs weak answers; unset strong/weak mean the SFT model and its early copy (the `policy` input)."""
     p, policy = cfg.preference, inputs["policy"].path
-    items = chat.read_jsonl(inputs["chats"].path / "train.jsonl")[: p.prompts]
+    items = chat.read_jsonl(inputs["chats"].path / TRAIN)[: p.prompts]
     prompts = [i["prompt"] for i in items]
     engine = resolve_backend(p.backend)
     run_logger().info("preference: %d prompts, answers through %s", len(prompts), engine)
     backend = lambda path: make_backend(engine, path, p.batch_size, run_logger().info)  # noqa: E731
-    strong_out = answers(backend, p.strong or str(policy / "final"), prompts, p.max_new_tokens, p.temperature)
+    strong_out = answers(backend, p.strong or str(inputs["policy"].final), prompts, p.max_new_tokens, p.temperature)
     weak_out = answers(backend, p.weak or str(policy / "weak"), prompts, p.max_new_tokens, p.temperature)
     pairs, stats = build_pairs(items, strong_out, weak_out, p.dedup_threshold)
     stats["backend"] = engine
     if not pairs:
         raise ValueError(f"no preference pairs survived: {stats}")
-    chat.write_jsonl(out / "pairs.jsonl", pairs)
+    chat.write_jsonl(out / PAIRS, pairs)
     run_logger().info("preference pairs: %s", stats)
     return stats
-
-
-class APOStepCfg(TrainedStepCfg):
-    apo: APOCfg
-
-
-def apo(cfg: APOStepCfg, inputs: Inputs, out: Path) -> dict:
-    result = train(cfg, "apo", cfg.apo, inputs["policy"].path / "final", inputs["pairs"].path / "pairs.jsonl", out)
-    return scored(cfg, result, out, inputs)
-
-
-class GRPOStepCfg(TrainedStepCfg):
-    grpo: GRPOCfg
-
-
-def grpo(cfg: GRPOStepCfg, inputs: Inputs, out: Path) -> dict:
-    result = train(cfg, "grpo", cfg.grpo, inputs["policy"].path / "final", inputs["chats"].path / "train.jsonl", out)
-    return scored(cfg, result, out, inputs)
 
 
 @stage_task("postrain-report", retries=1)

@@ -22,7 +22,7 @@ from infra.errors import SmolflowError, TrainerFailed
 from infra.launch import free_port, launch_command, launch_env, run_streaming
 from infra.procs import OWNER_ENV, PREEMPTED
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
-from infra.steps import StepOutput, building_step_id
+from infra.steps import StepOutput
 from infra.storage import write_json_atomic
 from model.config import Schedule, TrainConfig, TrainJob
 from tasks.card import write_card
@@ -145,11 +145,11 @@ def train_phase(cfg: PhaseStepCfg, inputs: Mapping[str, StepOutput], out: Path) 
     """Launch the trainer on the phase's job; inputs: `tokens` (tokenize), `bpe` (tokenizer), `budget`
     (mixtures: the data holds what the phase draws) and, after the first phase, `previous`."""
     t, previous, log = cfg.train, inputs.get("previous"), run_logger()
-    run_dir = out.parent.parent  # RUN/.partial/NAME
+    run_dir = inputs["tokens"].path.parent  # inputs are linked from the run: RUN/NAME
     init_from = init_remote = None
     if previous is not None:
-        init_from = str(previous.path / ("final" if t.long_context else "checkpoints"))
-        init_remote = f"checkpoints/{previous.name}-{previous.step_id}"
+        init_from = str(previous.final if t.long_context else previous.path / "checkpoints")
+        init_remote = f"{previous.folder}/checkpoints"
     if t.peak_flops is None and cfg.launcher.kind != "slurm":  # a Slurm job probes on its own node
         t = t.model_copy(update={"peak_flops": run_peak_flops(run_dir, thread_count(cfg.launcher.threads_per_rank), t.phase)})
     job = TrainJob(
@@ -160,7 +160,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: Mapping[str, StepOutput], out: Path) 
         checkpoint_dir=str(out / "checkpoints"),
         init_from=init_from,
         init_remote=init_remote,
-        remote_name=f"checkpoints/{out.name}-{building_step_id(out)}",
+        remote_name=f"{out.name}/checkpoints",  # the mirror holds the store's relative names: NAME-ID/checkpoints
         mirror=cfg.storage.mirror,
         s3_endpoint=cfg.storage.s3.endpoint_url,
         s3_region=cfg.storage.s3.region,

@@ -73,7 +73,8 @@ def builds(tmp_path: Path) -> list[str]:
 
 
 def lease_file(tmp_path: Path) -> Path:
-    return tmp_path / "run" / ".partial" / "train.lock"
+    sid = Step("train", "test", None, Cfg()).step_id({})
+    return tmp_path / "run" / "steps" / ".partial" / f"train-{sid}.lock"
 
 
 @pytest.mark.parametrize("case", ["all alive", "holder SIGKILLed", "stale lease from another host"])
@@ -103,29 +104,131 @@ def test_racing_relaunches_build_a_step_exactly_once(tmp_path, case):
 def test_a_live_lease_from_another_host_is_respected(tmp_path):
     lease_file(tmp_path).parent.mkdir(parents=True)
     lease_file(tmp_path).write_text(json.dumps({"host": "node-7", "pid": 4242, "started": 1.0, "heartbeat": time.time(), "lease_s": 120}))
-    with pytest.raises(StepLocked, match="pid 4242 on node-7"):
-        run_step(tmp_path / "run", Step("train", "test", lambda c, i, o: {}, Cfg()), {})
+    with pytest.raises(StepLocked, match=r"pid 4242 on node-7.*gave up waiting after \d+ s \(storage.wait_for_builder_s"):
+        run_step(tmp_path / "run", Step("train", "test", lambda c, i, o: {}, Cfg()), {}, wait_s=1.0)
     assert builds(tmp_path) == []
 
 
-def test_a_leftover_trainer_is_killed_by_the_next_holder_but_a_reused_pid_is_not(tmp_path):
-    leftover = subprocess.Popen(["sleep", "120"])
-    bystander = subprocess.Popen(["sleep", "120"])
+def test_a_leftover_trainer_is_killed_by_the_next_holder_but_a_reused_or_foreign_pid_is_not(tmp_path):
+    from infra.locks import LEASE_ENV
+
+    token = "a1" * 16
+    leftover = subprocess.Popen(["sleep", "120"], env={**os.environ, LEASE_ENV: token})  # launched under the lease
+    bystander = subprocess.Popen(["sleep", "120"], env={**os.environ, LEASE_ENV: token})
+    foreign = subprocess.Popen(["sleep", "120"])  # ours, alive, named in the lease, but never launched under it
     dead_owner = subprocess.Popen(["true"])
     dead_owner.wait()
     lock = tmp_path / "step.lock"
-    children = [Proc.of(leftover.pid).dump(), {**Proc.of(bystander.pid).dump(), "started": 12.0}]  # the second: a reused pid
-    lock.write_text(json.dumps({"host": HOST, "pid": dead_owner.pid, "started": 1.0, "heartbeat": time.time(), "children": children}))
+    children = [Proc.of(leftover.pid).dump(), {**Proc.of(bystander.pid).dump(), "started": 12.0}, Proc.of(foreign.pid).dump()]
+    lease = {"host": HOST, "pid": dead_owner.pid, "started": 1.0, "heartbeat": time.time(), "token": token, "children": children}
+    lock.write_text(json.dumps(lease))
     try:
         held = acquire(lock)
-        assert held is not None
+        assert held is not None and held.record["epoch"] == 1 and held.token != token
         leftover.wait(timeout=10)  # killed (psutil reaped it, so its exit status reads 0), not the 120 s sleep
-        assert bystander.poll() is None
+        assert bystander.poll() is None, "a reused pid (another start time) is left alone"
+        assert foreign.poll() is None, "a pid planted in a lease, without the lease's token, is left alone"
         held.release()
     finally:
-        for p in (leftover, bystander):
+        for p in (leftover, bystander, foreign):
             p.kill()
             p.wait()
+
+
+def test_a_lock_file_planted_as_a_link_or_owned_by_another_user_is_refused(tmp_path):
+    from infra.errors import SmolflowError
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "run" / "steps" / ".partial").mkdir(parents=True)
+    lease_file(tmp_path).symlink_to(victim)
+    with pytest.raises(SmolflowError, match="is a symbolic link: refusing"):
+        run_step(tmp_path / "run", Step("train", "test", lambda c, i, o: {}, Cfg()), {})
+    assert victim.read_text() == "precious", "the link's target is neither truncated nor written"
+    foreign = tmp_path / "foreign.lock"
+    foreign.write_text("")
+    os.chown(foreign, 4242, 4242)
+    with pytest.raises(SmolflowError, match="owned by uid 4242"):
+        acquire(foreign)
+
+
+def test_an_empty_lock_file_is_a_holder_between_create_and_first_write_until_it_ages(tmp_path):
+    lock = tmp_path / "step.lock"
+    lock.write_text("")  # another host created it and has not written its lease yet
+    assert acquire(lock, lease_s=60) is None
+    old = time.time() - 120
+    os.utime(lock, (old, old))  # nobody wrote a lease in two minutes: a dead holder
+    held = acquire(lock, lease_s=60)
+    assert held is not None
+    held.release()
+
+
+STALLER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    import infra.locks as locks
+    import infra.steps as steps
+    from tests.test_steps import Cfg
+
+    locks.LEASE_S = 1.0
+    run_dir, log, go = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+
+    def build(cfg, inputs, out):
+        with open(log, "a") as f:
+            f.write("building\\n")
+        while not go.exists():  # the test stops this process here, past its lease, then lets it go on
+            time.sleep(0.05)
+        (out / "data.txt").write_text("stalled holder")
+        return {}
+
+    try:
+        steps.run_step(run_dir, steps.Step("train", "test", build, Cfg()), {})
+    except locks.LockLost as err:
+        print("LOST:", err, flush=True)
+        sys.exit(4)
+    """
+)
+
+TAKER = textwrap.dedent(
+    """
+    import fcntl, sys, time
+    from pathlib import Path
+    import infra.locks as locks
+    import infra.procs as procs
+
+    # another host: its kernel locks do not see ours (as on a filesystem whose locks are local to each host)
+    locks.HOST = procs.HOST = "node-7"
+    fcntl.flock = lambda fd, op: None
+    lock = locks.acquire(Path(sys.argv[1]), lease_s=1.0)
+    print("epoch", lock.record["epoch"], flush=True)
+    time.sleep(float(sys.argv[2]))
+    lock.release()
+    """
+)
+
+
+def test_a_holder_whose_heartbeat_stalled_past_its_lease_is_fenced_off(tmp_path):
+    """Real processes: the holder is stopped past its lease, another host takes the lock over (epoch 2); the holder,
+    let go on, must not commit its build nor remove the new holder's lock file."""
+    run_dir, log, go = tmp_path / "run", tmp_path / "builds.log", tmp_path / "go"
+    holder = subprocess.Popen([sys.executable, "-c", STALLER, str(run_dir), str(log), str(go)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not log.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    holder.send_signal(signal.SIGSTOP)  # a stalled heartbeat: the lease (1 s) runs out
+    try:
+        time.sleep(2.5)
+        taker = subprocess.Popen([sys.executable, "-c", TAKER, str(lease_file(tmp_path)), "6"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        assert taker.stdout.readline().split() == ["epoch", "2"]
+    finally:
+        holder.send_signal(signal.SIGCONT)
+    go.touch()
+    out, _ = holder.communicate(timeout=60)
+    assert holder.returncode == 4 and "taken over" in out, out
+    assert not (run_dir / "train").exists() and not any((run_dir / "steps").glob("train-*")), "the fenced holder committed nothing"
+    assert lease_file(tmp_path).exists() and json.loads(lease_file(tmp_path).read_text())["host"] == "node-7", "its lock file is left alone"
+    taker.wait(timeout=30)
 
 
 OWNER = textwrap.dedent(
@@ -238,6 +341,9 @@ def small_parts(mirror: Mirror) -> Mirror:
     return mirror
 
 
+SID = "ab" * 10  # a step id: the mirror holds the store's names, NAME-ID/checkpoints/stepN
+
+
 def test_multipart_uploads_are_verified_and_mirrored_models_fingerprinted_from_records(tmp_path, bucket):
     from flows.graph import build_graph
     from infra.recipe import parse_recipe
@@ -248,25 +354,25 @@ def test_multipart_uploads_are_verified_and_mirrored_models_fingerprinted_from_r
     mirror = small_parts(Mirror(f"s3://{name}/run", s3, attempts=1))
     steps = build_graph(parse_recipe(micro_recipe(), "micro")).steps
     phase = next(s for s in steps if s.checkpoints)
-    store = CheckpointStore(tmp_path / "ckpt", keep_last=2, mirror=mirror, remote_name=f"checkpoints/{phase.name}-abc")
+    store = CheckpointStore(tmp_path / "ckpt", keep_last=2, mirror=mirror, remote_name=f"{phase.name}-{SID}/checkpoints")
     staged = store.tmp_dir() / "step00000010"
     (staged / "hf").mkdir(parents=True)
     (staged / "hf" / "model.safetensors").write_bytes(os.urandom(100 * 1024))  # 7 parts of 16 KiB
     (staged / "hf" / "config.json").write_text('{"a": 1}')
     store.commit("step00000010", 10, {"tokens": 2560})
     assert store.close() == []
-    remote = f"{name}/run/checkpoints/{phase.name}-abc/step00000010"
+    remote = f"{name}/run/{phase.name}-{SID}/checkpoints/step00000010"
     assert "-" in fs.info(f"{remote}/hf/model.safetensors")["ETag"], "uploaded in parts"
 
     # an older marker (sizes only) beside it: reported as skipped, with the reason
-    fs.pipe(f"{name}/run/checkpoints/{phase.name}-abc/step00000005/hf/config.json", b"{}")
+    fs.pipe(f"{name}/run/{phase.name}-{SID}/checkpoints/step00000005/hf/config.json", b"{}")
     fs.pipe(
-        f"{name}/run/checkpoints/{phase.name}-abc/step00000005/{MARKER}", json.dumps({"step": 5, "files": {"hf/config.json": 2}}).encode()
+        f"{name}/run/{phase.name}-{SID}/checkpoints/step00000005/{MARKER}", json.dumps({"step": 5, "files": {"hf/config.json": 2}}).encode()
     )
     found, skipped = models_in_prefix(f"s3://{name}/run", s3, steps)
     assert [m.label for m in found] == [f"{phase.checkpoints}/step00000010"]
     assert found[0].fingerprint == local_fingerprint(tmp_path / "ckpt" / "step00000010" / "hf")
-    assert list(skipped) == [f"{name}/run/checkpoints/{phase.name}-abc/step00000005/hf"] and "no MD5" in next(iter(skipped.values()))
+    assert list(skipped) == [f"{name}/run/{phase.name}-{SID}/checkpoints/step00000005/hf"] and "no MD5" in next(iter(skipped.values()))
     copy = download_folder(found[0].path, tmp_path / "copy", s3)
     assert local_fingerprint(copy) == found[0].fingerprint
 
@@ -279,10 +385,11 @@ def test_multipart_uploads_are_verified_and_mirrored_models_fingerprinted_from_r
 def test_pulls_check_every_file_against_its_record(tmp_path, bucket):
     fs, name, s3 = bucket
     mirror = small_parts(Mirror(f"s3://{name}/run", s3, attempts=1))
-    run_step(tmp_path / "a", Step("tok", "test", lambda c, i, out: (out / "data.bin").write_bytes(b"x" * 50_000) and {}, Cfg()), {}, mirror)
-    fs.pipe(f"{name}/run/tok/data.bin", b"y" * 50_000)  # same size, other bytes
+    step = Step("tok", "test", lambda c, i, out: (out / "data.bin").write_bytes(b"x" * 50_000) and {}, Cfg())
+    out = run_step(tmp_path / "a", step, {}, mirror)
+    fs.pipe(f"{name}/run/{out.folder}/data.bin", b"y" * 50_000)  # same size, other bytes
     with pytest.raises(StorageError, match="does not match its record"):
-        mirror.pull("tok", tmp_path / "b", MANIFEST)
+        mirror.pull(out.folder, tmp_path / "b", MANIFEST)
     assert not (tmp_path / "b" / "data.bin").exists()
     assert [p.name for p in (tmp_path / "b").iterdir()] == []  # nothing half-downloaded kept under a real name
     with pytest.raises(StorageError, match="outside"):
@@ -293,11 +400,43 @@ def test_a_step_whose_push_failed_is_pushed_when_found_finished(tmp_path, bucket
     fs, name, s3 = bucket
     down = Mirror(f"s3://{name}/run", S3Cfg(endpoint_url="http://127.0.0.1:9"), attempts=1)
     step = Step("tok", "test", lambda c, i, out: (out / "data.txt").write_text("tokens") and {}, Cfg())
+    remote = f"{name}/run/tok-{step.step_id({})}"  # the store's own name
     with pytest.raises(StorageError):
         run_step(tmp_path, step, {}, down)
-    assert (tmp_path / "tok" / MANIFEST).exists() and not fs.exists(f"{name}/run/tok/{MANIFEST}")
+    assert (tmp_path / "steps" / f"tok-{step.step_id({})}" / MANIFEST).exists() and not fs.exists(f"{remote}/{MANIFEST}")
     out = run_step(tmp_path, step, {}, Mirror(f"s3://{name}/run", s3))
-    assert out.cached and fs.cat_file(f"{name}/run/tok/data.txt") == b"tokens" and fs.exists(f"{name}/run/tok/{MANIFEST}")
+    assert out.cached and fs.cat_file(f"{remote}/data.txt") == b"tokens" and fs.exists(f"{remote}/{MANIFEST}")
+
+
+def test_the_dry_run_the_upstream_check_and_the_build_make_one_decision_mirror_included(tmp_path, bucket):
+    """A fresh machine whose mirror holds the upstream: the dry run says `pull`, a stage's upstream check passes
+    and the stage pulls it; nothing is built again."""
+    from flows.pipeline import upstream
+    from infra.steps import Run
+    from tests.helpers import micro_recipe, write_recipe
+
+    fs, name, s3 = bucket
+    calls: list = []
+
+    def make(cfg, inputs, out):
+        calls.append(1)
+        (out / "data.txt").write_text("tokens")
+        return {"docs": 3}
+
+    up = Step("tok", "curate", make, Cfg())
+    down = Step("train", "pretrain", lambda c, i, out: calls.append(2) or {}, Cfg(), {"tokens": up})
+    graph = type("G", (), {"steps": [up, down]})()
+    storage = {"storage.mirror": f"s3://{name}/m", "storage.s3.endpoint_url": s3.endpoint_url}
+    path = write_recipe(tmp_path / "r.yaml", micro_recipe(**storage))
+    first = Run.open(str(path), str(tmp_path / "machine1"))
+    first.build(up, {})
+    second = Run.open(str(path), str(tmp_path / "machine2"), freeze=False)
+    assert [(s.state, s.reason) for s in second.statuses(graph.steps)] == [("pull", f"finished on s3://{name}/m"), ("run", "")]
+    second = Run.open(str(path), str(tmp_path / "machine2"))
+    pulled = upstream(second, graph, ["pretrain"])["tok"]
+    assert calls == [1] and (tmp_path / "machine2" / "tok" / "data.txt").read_text() == "tokens" and pulled.summary == {"docs": 3}
+    assert [s.state for s in second.statuses(graph.steps)] == ["cached", "run"]
+    assert fs.exists(f"{name}/m/runs/machine1/recipe.json"), "each run's recipe beside the store it mirrors"
 
 
 def fake_checkpoint(store: CheckpointStore, step: int) -> None:
@@ -370,3 +509,69 @@ def test_a_checkpoint_whose_files_changed_is_refused_before_anything_unpickles_i
     (tmp_path / "step00000003" / "optim.pt").write_bytes(bytes(data))
     with pytest.raises(CorruptFile, match="optim.pt"):
         verify(tmp_path / "step00000003")
+
+
+COMMITTER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    import infra.steps as steps
+    from tests.test_steps import Cfg
+
+    run_dir, count, case = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+
+    def build(cfg, inputs, out):
+        with open(count, "a") as f:
+            f.write("build\\n")
+        for i in range(3):
+            (out / f"shard{i}.bin").write_bytes(bytes([i]) * 10_000)
+        return {"shards": 3}
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if case == "md5":  # half-way through the MD5 pass over the outputs
+        real = steps.fsync_tree
+        def fsync_tree(root, skip_dirs=()):
+            for path in sorted(Path(root).glob("shard1.bin")):
+                with open(path, "rb") as f:
+                    f.read(100)
+                die()
+            return real(root, skip_dirs)
+        steps.fsync_tree = fsync_tree
+    if case == "manifest":  # the manifest's temporary file written, not yet renamed into place
+        real_write = steps.write_json_atomic
+        def write_json_atomic(path, data):
+            if path.name == steps.MANIFEST:
+                path.with_name(".manifest.json.tmp").write_text("{\\"half\\": ")
+                die()
+            real_write(path, data)
+        steps.write_json_atomic = write_json_atomic
+    if case in ("before rename", "after rename"):
+        real_commit = steps._commit
+        def commit(ready, final):
+            if case == "after rename":
+                os.replace(ready, final)
+            die()
+        steps._commit = commit
+    steps.run_step(run_dir, steps.Step("tok", "test", build, Cfg()), {})
+    """
+)
+
+
+@pytest.mark.parametrize("case", ["md5", "manifest", "before rename", "after rename"])
+def test_a_step_killed_anywhere_in_its_commit_is_committed_by_the_relaunch_never_built_again(tmp_path, case):
+    count, run_dir = tmp_path / "builds.txt", tmp_path / "run"
+    killed = subprocess.run([sys.executable, "-c", COMMITTER, str(run_dir), str(count), case], cwd=REPO)
+    assert killed.returncode == -signal.SIGKILL and count.read_text().split() == ["build"]
+    assert not (run_dir / "tok").exists(), "the kill left the step uncommitted in the run"
+    relaunch = subprocess.run([sys.executable, "-c", COMMITTER, str(run_dir), str(count), "none"], cwd=REPO)
+    assert relaunch.returncode == 0
+    assert count.read_text().split() == ["build"], "exactly one build: the relaunch commits what the first one built"
+    manifest = json.loads((run_dir / "tok" / MANIFEST).read_text())
+    assert manifest["summary"] == {"shards": 3} and sorted(manifest["files"]) == ["shard0.bin", "shard1.bin", "shard2.bin"]
+    from infra.steps import fingerprint_tree
+
+    assert fingerprint_tree(run_dir / "tok") == manifest["fingerprint"]
+    left = [p.name for p in (run_dir / "steps" / ".partial").glob("tok-*") if p.suffix != ".lock"]  # a dead holder's lease may stay
+    assert not left, f"nothing of the build is left behind: {left}"

@@ -239,13 +239,14 @@ def test_a_claimed_model_is_left_to_the_live_claimant(tmp_path):
 
 
 def test_step_lock_refuses_a_second_builder_and_survives_a_dead_one(tmp_path):
-    lock = tmp_path / ".partial" / "train.lock"
+    sid = Step("train", "test", None, EvalCfg()).step_id({})
+    lock = tmp_path / "steps" / ".partial" / f"train-{sid}.lock"
     lock.parent.mkdir(parents=True)
     holder = holding(lock)
     built = []
     try:
-        with pytest.raises(StepLocked, match=f"pid {holder.pid}"):
-            run_step(tmp_path, Step("train", "test", lambda cfg, inputs, out: built.append(out) or {}, EvalCfg()), {})
+        with pytest.raises(StepLocked, match=f"pid {holder.pid}.*gave up waiting"):
+            run_step(tmp_path, Step("train", "test", lambda cfg, inputs, out: built.append(out) or {}, EvalCfg()), {}, wait_s=0.5)
         assert built == []
     finally:
         holder.kill()

@@ -79,15 +79,16 @@ def test_curate_reads_raw_from_s3_and_mirrors_every_step(tmp_path, prefect_serve
     curate_flow(str(recipe), str(tmp_path / "run"))
     summary = json.loads((tmp_path / "run" / "ingest" / MANIFEST).read_text())["summary"]
     assert summary["sources"]["remote"]["docs"] == 60
+    versions = {step: (tmp_path / "run" / step).resolve().name for step in STEPS}  # NAME-ID: the store's names on the mirror too
     for step in STEPS:
-        assert fs.exists(f"runs-bucket/micro/{step}/{MANIFEST}"), step
+        assert fs.exists(f"runs-bucket/micro/{versions[step]}/{MANIFEST}"), step
     assert "testing-secret" not in (tmp_path / "run" / "recipe.json").read_text()
 
     # a fresh machine with an empty run dir pulls every finished step back instead of recomputing
     shutil.rmtree(tmp_path / "run")
     curate_flow(str(recipe), str(tmp_path / "run2"))
     for step in STEPS:
-        remote = json.loads(fs.cat(f"runs-bucket/micro/{step}/{MANIFEST}"))
+        remote = json.loads(fs.cat(f"runs-bucket/micro/{versions[step]}/{MANIFEST}"))
         local = json.loads((tmp_path / "run2" / step / MANIFEST).read_text())
         assert local["started"] == remote["started"] and local["fingerprint"] == remote["fingerprint"]
 

@@ -405,7 +405,7 @@ def test_a_phase_killed_on_two_ranks_resumes_on_one(tmp_path):
     from flows.graph import build_graph
     from infra.errors import TrainerFailed
     from infra.recipe import parse_recipe
-    from infra.steps import PREVIOUS, run_step, statuses
+    from infra.steps import run_step, statuses
     from tests.helpers import micro_recipe
 
     common = {"evaluation.follow": False, "pretrain.zero_stage": 1}
@@ -421,7 +421,7 @@ def test_a_phase_killed_on_two_ranks_resumes_on_one(tmp_path):
     for step in graph.stage("curate"):
         build(step)
     phase1 = graph.phases[0]
-    checkpoints = run_dir / ".partial" / phase1.name / "checkpoints"
+    checkpoints = run_dir / ".partial" / phase1.name / "checkpoints"  # a link to the build in the store, kept until it commits
 
     def kill_after_step_ten() -> None:
         deadline = time.time() + 300
@@ -452,7 +452,8 @@ def test_a_phase_killed_on_two_ranks_resumes_on_one(tmp_path):
     assert status.state == "resume", "only an operational value changed: same identity, the partial build resumes"
     build(one.phases[0])
     done = run_dir / phase1.name
-    assert outputs[phase1.name].summary["steps"] == 31 and not (run_dir / PREVIOUS).exists()
+    assert outputs[phase1.name].summary["steps"] == 31 and not (run_dir / ".partial" / phase1.name).exists()
+    assert [p.name for p in (run_dir / "steps").glob(f"{phase1.name}-*")] == [done.resolve().name], "one version, resumed"
     assert (done / "checkpoints" / ".universal" / saved["tag"]).is_dir(), "the 2-rank ZeRO shards were re-split for 1 rank"
     lines = [json.loads(line) for line in (done / "metrics.jsonl").read_text().splitlines()]
     assert all(line["grad_norm"] > 0 for line in lines), "ZeRO-1's optimizer records the norm (NaN fails)"

@@ -1,15 +1,16 @@
-"""Step identity, caching, atomic commits, versions moved aside, statuses and the frozen recipe (infra/steps.py)."""
+"""Step identity, caching, atomic commits, one layout (STORE/NAME-ID linked from RUN/NAME), statuses and the frozen recipe."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from infra.errors import UpstreamMissing
+from infra.errors import SmolflowError, UpstreamMissing
 from infra.recipe import Strict, operational
-from infra.steps import MANIFEST, PREVIOUS, Run, Step, identity, require, run_step, statuses, step_id
+from infra.steps import MANIFEST, PARTIAL, STEPS, Run, Step, identity, require, run_step, statuses, step_id
 from tests.helpers import micro_recipe, write_recipe
 
 
@@ -75,7 +76,7 @@ def test_failed_build_leaves_no_finished_step(tmp_path):
     assert calls == ["a"] and not out.cached
 
 
-def test_partial_of_same_step_is_resumed_and_of_another_id_kept_aside(tmp_path):
+def test_partial_of_same_step_is_resumed_and_of_another_id_kept(tmp_path):
     def crash(cfg, inputs, out):
         (out / f"shard-v{cfg.v}").write_text("done")
         raise RuntimeError("killed after a shard")
@@ -94,30 +95,33 @@ def test_partial_of_same_step_is_resumed_and_of_another_id_kept_aside(tmp_path):
     with pytest.raises(RuntimeError):
         run_step(tmp_path, Step("b", "test", crash, Cfg(v=1)), {})
     with pytest.raises(RuntimeError):
-        run_step(tmp_path, Step("b", "test", crash, Cfg(v=2)), {})  # another identity: v1's partial is moved aside
+        run_step(tmp_path, Step("b", "test", crash, Cfg(v=2)), {})  # another identity: another partial folder
     sid1 = Step("b", "test", crash, Cfg(v=1)).step_id({})
-    assert (tmp_path / PREVIOUS / f"b-{sid1}.partial" / "shard-v1").is_file(), "work of another identity is kept, never deleted"
+    assert (tmp_path / STEPS / PARTIAL / f"b-{sid1}" / "shard-v1").is_file(), "work of another identity is kept, never deleted"
     seen.clear()
     run_step(tmp_path, Step("b", "test", resume, Cfg(v=1)), {})  # back to v1: its partial build resumes
     assert seen == [["shard-v1"]]
 
 
-def test_a_finished_version_is_moved_aside_then_restored(tmp_path):
+def test_every_version_stays_in_the_store_and_the_run_links_the_one_it_uses(tmp_path):
     calls: list = []
     v1 = run_step(tmp_path, step("a", calls, "one", v=1), {})
-    run_step(tmp_path, step("a", calls, "two", v=2), {})
-    assert (tmp_path / PREVIOUS / f"a-{v1.step_id}" / "data.txt").read_text() == "one"
+    v2 = run_step(tmp_path, step("a", calls, "two", v=2), {})
+    assert (tmp_path / STEPS / f"a-{v1.step_id}" / "data.txt").read_text() == "one"
+    assert (tmp_path / "a").is_symlink() and (tmp_path / "a").readlink() == Path(STEPS) / f"a-{v2.step_id}"
     back = run_step(tmp_path, step("a", calls, "one", v=1), {})
     assert calls == ["a", "a"] and back.cached and (tmp_path / "a" / "data.txt").read_text() == "one"
-    assert [p.name for p in (tmp_path / PREVIOUS).iterdir()] == [f"a-{step('a', [], v=2).step_id({})}"]
+    assert sorted(p.name for p in (tmp_path / STEPS).iterdir() if not p.name.startswith(".")) == sorted(
+        [f"a-{v1.step_id}", f"a-{v2.step_id}", "builds.jsonl"]
+    )
 
 
-def test_folder_without_manifest_is_not_finished(tmp_path):
+def test_a_real_folder_where_the_run_links_a_step_is_never_overwritten(tmp_path):
     (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "data.txt").write_text("stale")
-    calls: list = []
-    run_step(tmp_path, step("a", calls, "fresh"), {})
-    assert calls == ["a"] and (tmp_path / "a" / "data.txt").read_text() == "fresh"
+    (tmp_path / "a" / "data.txt").write_text("someone's")
+    with pytest.raises(SmolflowError, match="is a folder, not a link"):
+        run_step(tmp_path, step("a", [], "fresh"), {})
+    assert (tmp_path / "a" / "data.txt").read_text() == "someone's"
 
 
 def test_step_id_depends_on_config_and_inputs_only():
@@ -130,7 +134,7 @@ def test_statuses_name_changed_keys_and_missing_upstream_says_what_to_run(tmp_pa
     up = step("up", calls, v=1)
     down = step("down", calls, deps={"x": up})
     with pytest.raises(UpstreamMissing, match="needs the output of step 'up'.*smolflow stage test"):
-        require(tmp_path, up, statuses(tmp_path, [up])[0], needed_by="down")
+        require(tmp_path, statuses(tmp_path, [up])[0], needed_by="down")
     run_step(tmp_path, down, {"x": run_step(tmp_path, up, {})})
     assert [s.state for s in statuses(tmp_path, [up, down])] == ["cached", "cached"]
     up2 = step("up", calls, v=2)
@@ -138,7 +142,7 @@ def test_statuses_name_changed_keys_and_missing_upstream_says_what_to_run(tmp_pa
     assert [(s.state, s.changes) for s in changed] == [("rerun", [("v", 1, 2)]), ("rerun", [])]
     assert changed[1].reason == "after up"
     with pytest.raises(UpstreamMissing, match=r"out of date with the recipe \(v: 1 -> 2\)"):
-        require(tmp_path, up2, changed[0], needed_by="down")
+        require(tmp_path, changed[0], needed_by="down")
 
 
 def test_a_run_freezes_its_recipe_and_relaunches_read_it(tmp_path):
@@ -155,11 +159,15 @@ def test_a_run_freezes_its_recipe_and_relaunches_read_it(tmp_path):
 
 
 def test_runs_sharing_a_store_build_a_step_once_even_at_the_same_time(tmp_path):
-    """An ablation's runs: the step lives in STORE/NAME-ID, each run dir links to it; a second builder waits."""
+    """An ablation's runs: RUN/steps links to one store, a step lives in STORE/NAME-ID; a second builder waits."""
     import threading
     import time
 
     store, calls = tmp_path / "steps", []
+    store.mkdir()
+    for run in ("r1", "r2", "r3"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / STEPS).symlink_to(store)
 
     def slow(cfg, inputs, out: Path) -> dict:
         calls.append(threading.current_thread().name)
@@ -171,7 +179,7 @@ def test_runs_sharing_a_store_build_a_step_once_even_at_the_same_time(tmp_path):
     outputs = {}
 
     def build(run: str) -> None:
-        outputs[run] = run_step(tmp_path / run, shared, {}, store=store)
+        outputs[run] = run_step(tmp_path / run, shared, {})
 
     runs = [threading.Thread(target=build, args=(r,), name=r) for r in ("r1", "r2")]
     for t in runs:
@@ -183,7 +191,48 @@ def test_runs_sharing_a_store_build_a_step_once_even_at_the_same_time(tmp_path):
     assert (tmp_path / "r1" / "a").resolve() == (tmp_path / "r2" / "a").resolve() == folder.resolve()
     assert [json.loads(line)["folder"] for line in (store / "builds.jsonl").read_text().splitlines()] == [folder.name]
     # another identity in one run: a second store folder, the first one kept for the other run
-    other = run_step(tmp_path / "r2", Step("a", "test", slow, Cfg(v=2)), {}, store=store)
+    other = run_step(tmp_path / "r2", Step("a", "test", slow, Cfg(v=2)), {})
     assert not other.cached and len(calls) == 2 and folder.is_dir()
     assert (tmp_path / "r1" / "a" / "data.txt").read_text() == "x"
-    assert statuses(tmp_path / "r3", [shared], store=store)[0].state == "cached"  # a new run finds it in the store
+    assert statuses(tmp_path / "r3", [shared])[0].state == "cached"  # a new run finds it in the store
+
+
+def test_a_recipe_can_share_a_project_wide_store(tmp_path, monkeypatch):
+    """`storage.store`: runs of any recipe link RUN/steps to it, so a step built by one is cached for the next."""
+    monkeypatch.chdir(tmp_path)
+    path = write_recipe(tmp_path / "r.yaml", micro_recipe(**{"storage.store": "runs/steps"}))
+    first = Run.open(str(path), "runs/one")
+    calls: list = []
+    first.build(step("a", calls, v=1), {})
+    second = Run.open(str(path), "runs/two", freeze=False)
+    assert [s.state for s in second.statuses([step("a", calls, v=1)])] == ["cached"], "a dry run sees the shared store"
+    second = Run.open(str(path), "runs/two")
+    assert second.build(step("a", calls, v=1), {}).cached and calls == ["a"]
+    assert (tmp_path / "runs" / "two" / STEPS).resolve() == (tmp_path / "runs" / "steps").resolve()
+
+
+def test_a_run_dir_of_the_old_layout_is_converted_in_place_without_rebuilding(tmp_path):
+    """RUN/NAME folders, RUN/.previous/NAME-ID[.partial] and RUN/.partial/NAME (+ .step_id), as smolflow made them
+    before the one layout: opened once, every version is in the store, the run links what it used, nothing rebuilds."""
+    path = write_recipe(tmp_path / "r.yaml", micro_recipe())
+    calls: list = []
+    scratch = tmp_path / "scratch"
+    v1 = run_step(scratch, step("a", calls, "one", v=1), {})
+    v2 = run_step(scratch, step("a", calls, "two", v=2), {})
+    run = tmp_path / "run"
+    (run / ".previous").mkdir(parents=True)
+    (run / ".partial" / "b").mkdir(parents=True)
+    os.replace(scratch / STEPS / f"a-{v2.step_id}", run / "a")  # the finished step the run used
+    os.replace(scratch / STEPS / f"a-{v1.step_id}", run / ".previous" / f"a-{v1.step_id}")  # a version moved aside
+    sid_b = step("b", [], v=3).step_id({})
+    (run / ".partial" / "b" / ".step_id").write_text(sid_b)
+    (run / ".partial" / "b" / "shard0").write_text("half")  # a partial build
+    Run.open(str(path), str(run))
+    assert (run / "a").is_symlink() and (run / "a" / "data.txt").read_text() == "two"
+    assert (run / STEPS / f"a-{v1.step_id}" / "data.txt").read_text() == "one"
+    assert not (run / ".previous").exists()
+    seen = []
+    run_step(run, Step("b", "test", lambda cfg, inputs, out: seen.append(sorted(p.name for p in out.iterdir())) or {}, Cfg(v=3)), {})
+    assert seen == [["shard0"]], "the partial build resumes in the store"
+    assert run_step(run, step("a", calls, "two", v=2), {}).cached and run_step(run, step("a", calls, "one", v=1), {}).cached
+    assert calls == ["a", "a"], "nothing was built again"

@@ -71,8 +71,8 @@ def _models(run: AblationRunDir) -> dict[str, tuple[str, StepOutput]]:
     """label -> (content fingerprint, step output) of each finished model of the run."""
     out = {}
     for step in run.steps:
-        if step.model and (o := finished(run.run_dir, step.name)) and (o.path / "final").is_dir():
-            out[step.model] = (local_fingerprint(o.path / "final"), o)
+        if step.model and (o := finished(run.run_dir, step.name)) and o.final.is_dir():
+            out[step.model] = (local_fingerprint(o.final), o)
     return out
 
 

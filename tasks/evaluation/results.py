@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ from typing import Any
 
 from infra.locks import acquire
 from infra.recipe import EvalCfg, S3Cfg
-from infra.steps import MANIFEST, Step, building_step_id, identity, read_manifest, step_id
+from infra.steps import FINAL, MANIFEST, Step, folder_step_id, identity, read_manifest, step_id
 from infra.storage import file_digest, filesystem, with_retries
 from model.checkpoint import MARKER, is_complete
 
@@ -130,7 +131,7 @@ def models_in_run(run_dir: Path, steps: list[Step]) -> list[ModelRef]:
                     )
                 )
     for step in steps:
-        folder = run_dir / step.name / "final"
+        folder = run_dir / step.name / FINAL
         if step.model and (run_dir / step.name / MANIFEST).is_file() and folder.is_dir():
             models.append(ModelRef(str(folder), local_fingerprint(folder), step.model, "model", step.model, step_id=made_by(folder.parent)))
     unique = {}
@@ -142,12 +143,7 @@ def models_in_run(run_dir: Path, steps: list[Step]) -> list[ModelRef]:
 def made_by(step_dir: Path) -> str | None:
     """The id of the step a finished or partial step folder holds."""
     manifest = read_manifest(step_dir)
-    if manifest:
-        return manifest["step_id"]
-    try:
-        return building_step_id(step_dir)
-    except FileNotFoundError:
-        return None
+    return manifest["step_id"] if manifest else folder_step_id(step_dir) if os.path.lexists(step_dir) else None
 
 
 def models_in_prefix(prefix: str, s3: S3Cfg | None, steps: list[Step]) -> tuple[list[ModelRef], dict[str, str]]:
@@ -159,14 +155,15 @@ def models_in_prefix(prefix: str, s3: S3Cfg | None, steps: list[Step]) -> tuple[
     for step in steps:
         if step.checkpoints is None:
             continue
-        markers = with_retries(f"list {prefix}", lambda step=step: fs.glob(f"{root}/checkpoints/{step.name}-*/step*/{MARKER}"))
+        markers = with_retries(f"list {prefix}", lambda step=step: fs.glob(f"{root}/{step.name}-*/checkpoints/step*/{MARKER}"))
         for marker_path in sorted(markers):
             folder = marker_path.rsplit("/", 1)[0]
             marker = _read_json(fs, marker_path)
             found.append((folder, "hf", f"{step.checkpoints}/{folder.rsplit('/', 1)[-1]}", "checkpoint", step.checkpoints, marker))
-    for step in steps:
-        if step.model and (manifest := _read_json(fs, f"{root}/{step.name}/{MANIFEST}")) is not None:
-            found.append((f"{root}/{step.name}", "final", step.model, "model", step.model, manifest))
+    for step in [s for s in steps if s.model]:  # every version the mirror holds (an ablation's runs share one mirror)
+        for path in sorted(with_retries(f"list {prefix}", lambda step=step: fs.glob(f"{root}/{step.name}-*/{MANIFEST}"))):
+            if (manifest := _read_json(fs, path)) is not None and manifest.get("name") == step.name:
+                found.append((path.rsplit("/", 1)[0], FINAL, step.model, "model", step.model, manifest))
     models, skipped = [], {}
     for folder, sub, label, kind, stage, record in found:
         fingerprint, problem = remote_fingerprint(fs, folder, sub, record.get("files", {}))
