@@ -44,7 +44,8 @@ def main() -> None:
     if not args.read:
         shutil.rmtree(run_dir, ignore_errors=True)
         launched = time.time()
-        cmd = [sys.executable, "-m", "flows.cli", "run", args.recipe, "--run-dir", str(run_dir)]
+        # a store of its own, not the project's shared one: every step is built and timed
+        cmd = [sys.executable, "-m", "flows.cli", "run", args.recipe, "--run-dir", str(run_dir), "--set", "storage.store=null"]
         code = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL).returncode
         wall = time.time() - launched
         if code != 0:

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import socket
 import threading
 import time
@@ -389,13 +390,15 @@ def _build(store: Path, folder: str, status: Status, mirror: Mirror | None, inpu
         return _output(manifest, final, cached=True)
     if (manifest := read_manifest(partial)) is None and not built.is_file() and mirror is not None:
         if (remote := _remote_manifest(mirror, folder)) and remote.get("step_id") == sid:
-            pulled = store / PARTIAL / f"{folder}.pull"
+            pulled = store / PARTIAL / f"{folder}.pull"  # a download, not work: an earlier attempt's is replaced
+            shutil.rmtree(pulled, ignore_errors=True)
             log.info("step %s: pulling the finished copy from %s", step.name, mirror.prefix)
             mirror.pull(folder, pulled, MANIFEST)
             if fingerprint_tree(pulled) == remote["fingerprint"]:
                 lock.check()
                 _commit(pulled, final)
                 return _output(remote, final, cached=True)
+            shutil.rmtree(pulled)
             log.warning("step %s: the copy on %s does not match its manifest's fingerprint: building it here", step.name, mirror.prefix)
     if manifest is None:
         if built.is_file():

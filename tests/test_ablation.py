@@ -74,6 +74,28 @@ def test_dry_run_shows_what_is_shared_and_what_each_seed_builds(tmp_path):
     assert any("64 steps in all runs, 19 distinct: sharing saves 45 builds" in line for line in explain(abl))
 
 
+def test_an_ablation_of_a_recipe_with_a_project_store_finds_what_a_plain_run_built(tmp_path):
+    """`storage.store`: the demo and the ablations of its recipe share one store, so the dry run says `cached`
+    for the steps the demo built (built here with stand-in functions, identities as in a real run)."""
+    import dataclasses
+
+    from flows.ablation import explain, open_ablation
+    from flows.graph import build_graph
+    from infra.steps import Run
+
+    base = write_recipe(tmp_path / "micro.yaml", micro_recipe(**FAST, **{"storage.store": str(tmp_path / "steps")}))
+    run, outputs = Run.open(str(base), str(tmp_path / "micro")), {}
+    for step in [s for s in build_graph(run.recipe).steps if s.stage in ("curate", "pretrain")]:
+        fake = dataclasses.replace(step, fn=lambda cfg, inputs, out: (out / "out.txt").write_text("x") and {})
+        outputs[step.name] = run.build(fake, {role: outputs[d.name] for role, d in step.deps.items()})
+    spec = {"name": "lr", "base": base.name, "until": "sft", "variants": SFT_LR}
+    (tmp_path / "lr.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    lines = explain(open_ablation(str(tmp_path / "lr.yaml"), str(tmp_path / "abl")))
+    table = {line.split()[0]: line.split()[1:] for line in lines if line.split()}
+    assert table["tokenize"] == ["cached*", "cached*"] and table["pretrain_long_context"] == ["cached*", "cached*"]
+    assert table["sft"] == ["build", "build"] and any(f"cached in {tmp_path / 'steps'}" in line for line in lines)
+
+
 # two SFT learning rates: curation, pretraining and the chat data are shared, SFT is built per variant
 SFT_LR = [{"name": "slow", "set": ["postrain.sft.learning_rate=0.002"]}, {"name": "fast", "set": ["postrain.sft.learning_rate=0.005"]}]
 

@@ -575,3 +575,29 @@ def test_a_step_killed_anywhere_in_its_commit_is_committed_by_the_relaunch_never
     assert fingerprint_tree(run_dir / "tok") == manifest["fingerprint"]
     left = [p.name for p in (run_dir / "steps" / ".partial").glob("tok-*") if p.suffix != ".lock"]  # a dead holder's lease may stay
     assert not left, f"nothing of the build is left behind: {left}"
+
+
+def test_eval_of_a_mirror_finds_every_version_an_ablation_left_there(tmp_path, bucket, monkeypatch):
+    """`smolflow eval s3://...`: the mirror holds the store's names (NAME-ID), so the models of every run that shares
+    it are found, and the recipe comes from the runs' records beside them."""
+    from flows.pipeline import source_recipe
+    from infra.steps import Run
+    from tasks.evaluation.results import models_in_prefix
+    from tests.helpers import micro_recipe, write_recipe
+
+    fs, name, s3 = bucket
+
+    def model(cfg, inputs, out):
+        (out / "final").mkdir()
+        (out / "final" / "config.json").write_text(json.dumps({"v": cfg.v}))
+        return {}
+
+    storage = {"storage.mirror": f"s3://{name}/abl", "storage.s3.endpoint_url": s3.endpoint_url}
+    path = write_recipe(tmp_path / "r.yaml", micro_recipe(**storage))
+    for variant in (1, 2):
+        run = Run.open(str(path), str(tmp_path / f"variant{variant}"))
+        run.build(Step("sft", "sft", model, Cfg(v=variant), model="sft"), {})
+    found, skipped = models_in_prefix(f"s3://{name}/abl", s3, [Step("sft", "sft", model, Cfg(), model="sft")])
+    assert len(found) == 2 and not skipped and all(m.label == "sft" for m in found)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint_url)  # `smolflow eval s3://...` reads the endpoint as any AWS client does
+    assert source_recipe(f"s3://{name}/abl", None).name == "micro"
