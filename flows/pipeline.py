@@ -20,7 +20,7 @@ from prefect import flow, get_run_logger
 from flows.graph import EVALUATE, STAGES, Graph, build_graph
 from infra.errors import SmolflowError
 from infra.recipe import Recipe, load_recipe
-from infra.steps import FINAL, RECIPE, RUNS, Run, Step, StepOutput, finished, frozen_recipe, require
+from infra.steps import RECIPE, RUNS, Run, Step, StepOutput, finished, frozen_recipe, require
 from infra.storage import filesystem
 from tasks import curate, postrain, pretrain
 from tasks import evaluate as ev
@@ -111,7 +111,8 @@ def _post_training_report(run: Run, graph: Graph, out: dict[str, StepOutput]) ->
 def run_stage(stage: str, recipe: str | None, run_dir: str | None, overrides: list[str] | None, evals: bool = True) -> str:
     """Build STAGE's steps on what earlier stages left in the run dir, then the reports whose last step it built.
     With `evals`, checkpoints are scored while their trainer runs and each model right after its step (False:
-    the caller's follower scores them). Returns the last report, else the last step's model folder or folder."""
+    the caller's follower scores them). Returns what the stage made: its last step's model folder, else the
+    stage's report, else its last step's folder."""
     run, graph = open_run(recipe, run_dir, overrides)
     steps = graph.stage(stage)
     available = upstream(run, graph, [stage])  # before the follower starts
@@ -124,7 +125,7 @@ def run_stage(stage: str, recipe: str | None, run_dir: str | None, overrides: li
     ours = [fn for reads, fn in STAGE_REPORTS if max(reads(graph), key=lambda s: order.index(s.name)).stage == stage]
     reports = [fn(run, graph, {**available, **out}) for fn in ours]
     last = out[steps[-1].name]
-    return str(reports[-1] if reports else last.path / FINAL if steps[-1].model else last.path)
+    return str(last.final if steps[-1].model else reports[-1] if reports else last.path)
 
 
 def _stage_flow(stage: str):
