@@ -182,9 +182,9 @@ def report(run_dir: Path, name: str, models: list[tuple[str, StepOutput]], pairs
     lines += ["", f"Preference pairs: {json.dumps(pairs.summary)}", "", "| step | step id | seconds to build |", "|---|---|---|"]
     # no "cached" column: the earlier stages' steps are read back from the run dir even when this run built them
     lines += [f"| {s.name} | {s.step_id} | {s.seconds:.0f} |" for s in steps]
-    rewards = models[-1][1].summary.get("reward", [])
-    if rewards:
-        lines += ["", "GRPO reward by step: " + ", ".join(f"{s}: {r:.3f}" for s, r in rewards)]
+    for label, out in models:  # the rungs trained on a reward (GRPO)
+        if rewards := out.summary.get("reward"):
+            lines += ["", f"{label} reward by step: " + ", ".join(f"{s}: {r:.3f}" for s, r in rewards)]
     for label, e in rungs:
         lines += ["", f"**{label}** examples:"] + [f"- `{x['prompt']}` → `{x['completion']}`" for x in e["examples"]]
     markdown = "\n".join(lines) + "\n"
