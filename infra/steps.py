@@ -369,7 +369,7 @@ def _wait_and_build(run_dir: Path, store: Path, folder: str, status: Status, mir
         if waited >= said:
             log.info("step %s is being built by %s; waiting for it (%.0f s so far)", status.step.name, who, waited)
             said += WAIT_LOG_S
-        time.sleep(min(5.0, max(0.05, wait_s - waited)))
+        time.sleep(max(0.05, min(5.0, WAIT_LOG_S, wait_s - waited)))
     building = run_dir / PARTIAL / status.step.name  # the eval follower and the user see the build through it
     try:
         _link(building, Path("..") / STEPS / PARTIAL / folder)

@@ -101,11 +101,17 @@ def test_racing_relaunches_build_a_step_exactly_once(tmp_path, case):
     assert not lease_file(tmp_path).exists()
 
 
-def test_a_live_lease_from_another_host_is_respected(tmp_path):
+def test_a_live_lease_from_another_host_is_respected(tmp_path, caplog, monkeypatch):
+    import infra.steps
+
+    monkeypatch.setattr(infra.steps, "WAIT_LOG_S", 0.4)  # a minute in production
+    caplog.set_level("INFO", logger="infra.steps")
     lease_file(tmp_path).parent.mkdir(parents=True)
     lease_file(tmp_path).write_text(json.dumps({"host": "node-7", "pid": 4242, "started": 1.0, "heartbeat": time.time(), "lease_s": 120}))
     with pytest.raises(StepLocked, match=r"pid 4242 on node-7.*gave up waiting after \d+ s \(storage.wait_for_builder_s"):
         run_step(tmp_path / "run", Step("train", "test", lambda c, i, o: {}, Cfg()), {}, wait_s=1.0)
+    said = [r.getMessage() for r in caplog.records if "waiting for it" in r.getMessage()]
+    assert len(said) >= 2 and all("pid 4242 on node-7" in line for line in said), "the wait says who holds the step, again and again"
     assert builds(tmp_path) == []
 
 
