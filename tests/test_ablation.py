@@ -141,7 +141,7 @@ def test_two_variants_at_once_build_each_shared_step_once_and_compare_with_inter
     compared = [r for r in rows if r["variant"] == "fast"]
     assert compared and all("ci95" in r and r["ci95"][0] <= r["diff"] <= r["ci95"][1] for r in compared)
     assert {"held-out", "smol_arithmetic_gen"} <= {r["task"] for r in compared}
-    assert "pretrain_phase1" in data["shared"] and "sft (2 versions)" in data["differ"]
+    assert "pretrain_phase1" in data["shared"] and data["differ"] == {"sft": 2}, "versions per step, not display strings"
     text = report.read_text()
     assert "Baseline: **slow**" in text and "95% interval" in text and (root / "report" / "scores.png").is_file()
     assert (root / "report" / "curves.png").is_file()  # the SFT loss curves of both variants

@@ -209,12 +209,12 @@ def publish_comparison(name: str, root: Path, runs: list[AblationRunDir], baseli
 
     # steps shared by all runs, and those that differ
     done = _finished(runs)
-    shared, differ = [], []
-    for step in runs[0].steps:
-        ids = {o.step_id for r in runs if (o := done[r.name].get(step.name))}
-        (shared if len(ids) == 1 else differ).append(f"{step.name} ({len(ids)} versions)" if len(ids) > 1 else step.name)
+    versions = {step.name: len({o.step_id for r in runs if (o := done[r.name].get(step.name))}) for step in runs[0].steps}
+    shared = [name for name, n in versions.items() if n == 1]
+    differ = [step for step in runs[0].steps if versions[step.name] > 1]
     lines += ["## What was shared", "", f"Built once for all runs: {', '.join(shared) or 'nothing'}.", ""]
-    lines += [f"Built per variant or seed: {', '.join(differ) or 'nothing'}.", ""]
+    per_run = ", ".join(f"{s.name} ({versions[s.name]} versions)" for s in differ)
+    lines += [f"Built per variant or seed: {per_run or 'nothing'}.", ""]
     if identical:
         lines += [f"Models identical in every run (not compared): {', '.join(identical)}.", ""]
 
@@ -256,11 +256,7 @@ def publish_comparison(name: str, root: Path, runs: list[AblationRunDir], baseli
         lines += [f"![scores]({_save(fig, out / 'scores.png').name})", ""]
 
     # training curves of the steps that differ
-    curves = [
-        s
-        for s in runs[0].steps
-        if any(d.startswith(s.name + " (") for d in differ) and _curves(runs[0], s, done[runs[0].name].get(s.name))[1]
-    ]
+    curves = [s for s in differ if _curves(runs[0], s, done[runs[0].name].get(s.name))[1]]
     if curves:
         fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.5), squeeze=False)
         colors = {v: f"C{i}" for i, v in enumerate(variants)}
@@ -295,7 +291,14 @@ def publish_comparison(name: str, root: Path, runs: list[AblationRunDir], baseli
     tmp.replace(path)
     write_json_atomic(
         out / "ablation.json",
-        {"rows": table, "shared": shared, "differ": differ, "cost": cost, "alone_seconds": alone, "distinct_seconds": distinct},
+        {
+            "rows": table,
+            "shared": shared,
+            "differ": {s.name: versions[s.name] for s in differ},  # step -> its versions across the runs
+            "cost": cost,
+            "alone_seconds": alone,
+            "distinct_seconds": distinct,
+        },
     )
     _artifacts(name, markdown, table)
     run_logger().info("ablation report: %s", path.resolve())
