@@ -33,7 +33,7 @@ from tasks.card import write_card
 from tasks.common import run_logger, stage_task
 from tasks.curate import eval_set_fingerprint
 from tasks.curation.corpus import read_eval_questions
-from tasks.evaluation.report import falls, ladder
+from tasks.evaluation.report import falls, ladder, ladder_table
 
 Inputs = Mapping[str, StepOutput]
 # the files the data steps leave, declared once: chat_data's training and held-out chats, preference's pairs
@@ -174,11 +174,9 @@ def report(run_dir: Path, name: str, models: list[tuple[str, StepOutput]], pairs
         }
         for label, e in rungs
     ]
-    lines = ["# Post-training", "", "| model | held-out accuracy | mean answer tokens |", "|---|---|---|"]
-    lines += [f"| {r['model']} | {r['accuracy']:.1%} | {r['mean_answer_tokens']:.1f} |" for r in rows]
+    lines = ["# Post-training", "", *ladder_table(rungs)]
     if fell := falls(rungs):
         run_logger().warning("post-training ladder: %s", fell)
-        lines += ["", f"**{fell}**"]
     lines += ["", f"Preference pairs: {json.dumps(pairs.summary)}", "", "| step | step id | seconds to build |", "|---|---|---|"]
     # no "cached" column: the earlier stages' steps are read back from the run dir even when this run built them
     lines += [f"| {s.name} | {s.step_id} | {s.seconds:.0f} |" for s in steps]

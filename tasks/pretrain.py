@@ -28,6 +28,7 @@ from model.config import Schedule, TrainConfig, TrainJob
 from tasks.card import write_card
 from tasks.common import run_logger, stage_task
 from tasks.curation.mixtures import MixturePhase, windows
+from tasks.evaluation.report import pretraining_table, step_metrics
 
 # Checkpoints kept beyond keep_last while the eval follower catches up (tasks/evaluate.py).
 HOLD_FOR_EVAL = 4
@@ -219,13 +220,11 @@ def report(run_dir: Path, name: str, phases: list[StepOutput]) -> Path:
         }
         for s in phases
     ]
-    lines = ["# Pretraining", "", "| phase | steps | tokens | seq len | final loss | seconds |", "|---|---|---|---|---|---|"]
-    lines += [
-        f"| {r['phase']} | {r['steps']:,} | {r['tokens']:,} | {r['seq_len']} | {r['final_loss']} | {r['seconds']:.0f} |" for r in rows
-    ]
+    per_phase = {s.summary["phase"]: step_metrics(run_dir, s.name) for s in phases}
+    lines = ["# Pretraining", "", *pretraining_table(per_phase)]
     path = run_dir / "reports" / "pretrain.md"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + f"\n\nFinal model: `{phases[-1].path / 'final'}`\n")
+    path.write_text("\n".join(lines) + f"\n\nFinal model: `{phases[-1].final}`\n")
     create_table_artifact(rows, key=f"{name}-pretrain".replace("_", "-"), description="Pretraining phases")
     run_logger().info("pretrain report: %s", path.resolve())
     return path

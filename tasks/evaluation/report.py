@@ -117,6 +117,23 @@ def step_metrics(run_dir: Path, step: str) -> list[dict]:
     return []
 
 
+def pretraining_table(per_phase: dict[str, list[dict]]) -> list[str]:
+    """The pretraining phases as a table from their logged metrics (phase -> metrics.jsonl lines), the one renderer
+    of it (report card, pretraining report). Medians: one slow window does not set a figure."""
+    rows = ["| phase | steps logged | tokens (end) | last loss | tokens/s | s/step | MFU | of peak per rank |", "|---" * 8 + "|"]
+    for name, metrics in per_phase.items():
+        if not metrics:
+            continue
+        keys = ("tokens_per_s", "mfu", "step_s", "peak_flops_per_rank")
+        speed, mfu, step_s, peak = (median([m.get(k, math.nan) for m in metrics]) for k in keys)
+        last = metrics[-1]
+        rows.append(
+            f"| {name} | {len(metrics)} | {last['tokens']:,} | {last['loss']:.3f} | {speed:,.0f} | {step_s:.2f} | {mfu:.1%} | "
+            f"{peak / 1e9:,.1f} GFLOP/s |"
+        )
+    return rows
+
+
 def _pretraining(run_dir: Path, phases: list[Step], plots_dir: Path, card: Card) -> list[str]:
     import matplotlib.pyplot as plt
 
@@ -124,19 +141,11 @@ def _pretraining(run_dir: Path, phases: list[Step], plots_dir: Path, card: Card)
     if not any(per_stage.values()):
         return ["## Pretraining", "", "_no training metrics yet_", ""]
     fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(12, 4))
-    rows = ["| phase | steps logged | tokens (end) | last loss | tokens/s | s/step | MFU | of peak per rank |", "|---" * 8 + "|"]
     for name, metrics in per_stage.items():
-        if not metrics:
-            continue
-        tokens = [m["tokens"] for m in metrics]
-        loss_ax.plot(tokens, [m["loss"] for m in metrics], label=name)
-        keys = ("tokens_per_s", "mfu", "step_s", "peak_flops_per_rank")  # medians: one slow window does not set the figure
-        speed, mfu, step_s, peak = (median([m.get(k, math.nan) for m in metrics]) for k in keys)
-        speed_ax.bar(name, speed)
-        rows.append(
-            f"| {name} | {len(metrics)} | {tokens[-1]:,} | {metrics[-1]['loss']:.3f} | {speed:,.0f} | {step_s:.2f} | {mfu:.1%} | "
-            f"{peak / 1e9:,.1f} GFLOP/s |"
-        )
+        if metrics:
+            loss_ax.plot([m["tokens"] for m in metrics], [m["loss"] for m in metrics], label=name)
+            speed_ax.bar(name, median([m.get("tokens_per_s", math.nan) for m in metrics]))
+    rows = pretraining_table(per_stage)
     loss_ax.set(xlabel="tokens", ylabel="training loss", title="Loss per phase")
     loss_ax.legend()
     speed_ax.set(ylabel="tokens/s (median)", title="Throughput per phase")
@@ -220,6 +229,20 @@ def falls(rungs: list[tuple[str, dict]]) -> str | None:
     return f"Held-out accuracy falls: {'; '.join(under)}." if under else None
 
 
+def ladder_table(rungs: list[tuple[str, dict]], generative: dict[str, float] | None = None) -> list[str]:
+    """The post-training ladder as a table, the one renderer of it (report card, post-training report): held-out
+    accuracy overall and by family, lm-eval's math exact match where scored (GENERATIVE), answer length; then any fall."""
+    generative = generative or {}
+    rows = ["| model | held-out accuracy | by family | lm-eval math | mean answer tokens |", "|---|---|---|---|---|"]
+    for n, e in rungs:
+        family = ", ".join(f"{k} {v:.1%}" for k, v in e.get("by_family", {}).items())
+        math_em = f"{generative[n]:.1%}" if n in generative else ""
+        rows.append(f"| {n} | {e['accuracy']:.1%} | {family} | {math_em} | {e['mean_answer_tokens']:.1f} |")
+    if fell := falls(rungs):
+        rows += ["", f"**{fell}**"]
+    return rows
+
+
 def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir: Path, card: Card, notes: list[str]) -> list[str]:
     """NOTES: what the SFT data holds that a reader must know (planted sign slips, a family short of the recipe's share),
     said beside the ladder so no reader takes SFT's lost signs for a defect or misreads a family's accuracy."""
@@ -243,12 +266,7 @@ def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir:
     len_ax.bar(names, [e["mean_answer_tokens"] for _, e in rungs])
     len_ax.set(title="Mean answer length (tokens)")
     path = _save(fig, plots_dir / "postrain.png", card)
-    rows = ["| model | held-out accuracy | by family | lm-eval math | mean answer tokens |", "|---|---|---|---|---|"]
-    for n, e in rungs:
-        family = ", ".join(f"{k} {v:.1%}" for k, v in e.get("by_family", {}).items())
-        rows.append(f"| {n} | {e['accuracy']:.1%} | {family} | {f'{gen[n]:.1%}' if n in gen else ''} | {e['mean_answer_tokens']:.1f} |")
-    if fell := falls(rungs):
-        rows += ["", f"**{fell}**"]
+    rows = ladder_table(rungs, gen)
     for note in notes:
         rows += ["", note]
     return ["## Post-training ladder", "", f"![ladder]({path.relative_to(card.path.parent)})", "", *rows, ""]
