@@ -520,7 +520,10 @@ def convert_layout(run_dir: Path) -> list[str]:
         moved.append(f"{src.relative_to(run_dir)} -> {dst.relative_to(run_dir)}")
 
     for entry in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
-        if entry.is_dir() and not entry.is_symlink() and (m := read_manifest(entry)) and m.get("name") == entry.name:
+        if entry.is_symlink() and (target := os.readlink(entry)).startswith(f"{_OLD_STORE}/"):  # an ablation run's step
+            _link(entry, Path(STEPS) / target.removeprefix(f"{_OLD_STORE}/"))
+            moved.append(f"{entry.name} -> {STEPS}/{target.removeprefix(f'{_OLD_STORE}/')}")
+        elif entry.is_dir() and not entry.is_symlink() and (m := read_manifest(entry)) and m.get("name") == entry.name:
             move(entry, store / folder_name(entry.name, m["step_id"]))
             _link(entry, Path(STEPS) / folder_name(entry.name, m["step_id"]))
     old = run_dir / _OLD_PREVIOUS

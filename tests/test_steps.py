@@ -236,3 +236,21 @@ def test_a_run_dir_of_the_old_layout_is_converted_in_place_without_rebuilding(tm
     assert seen == [["shard0"]], "the partial build resumes in the store"
     assert run_step(run, step("a", calls, "two", v=2), {}).cached and run_step(run, step("a", calls, "one", v=1), {}).cached
     assert calls == ["a", "a"], "nothing was built again"
+
+
+def test_an_ablation_run_of_the_old_layout_keeps_its_shared_steps(tmp_path):
+    """An ablation's run linked its steps through RUN/.store (a link to ABLATION/steps): after the conversion its
+    store link is RUN/steps and every step link goes through it, so nothing is rebuilt or lost."""
+    store = tmp_path / "abl" / "steps"
+    calls: list = []
+    first = run_step(tmp_path / "abl" / "scratch", step("a", calls, "shared"), {})
+    store.mkdir(parents=True)
+    os.replace(tmp_path / "abl" / "scratch" / STEPS / first.folder, store / first.folder)
+    run = tmp_path / "abl" / "apo-seed0"
+    run.mkdir()
+    (run / ".store").symlink_to("../steps")
+    (run / "a").symlink_to(f".store/{first.folder}")
+    write_recipe(tmp_path / "r.yaml", micro_recipe())
+    Run.open(str(tmp_path / "r.yaml"), str(run))
+    assert (run / STEPS).readlink() == Path("../steps") and (run / "a").readlink() == Path(STEPS) / first.folder
+    assert (run / "a" / "data.txt").read_text() == "shared" and run_step(run, step("a", calls, "shared"), {}).cached and calls == ["a"]
