@@ -141,6 +141,23 @@ def test_a_leftover_trainer_is_killed_by_the_next_holder_but_a_reused_or_foreign
             p.wait()
 
 
+def test_the_processes_a_step_launches_carry_its_lease_token(tmp_path):
+    """What lets the next holder tell a leftover trainer from any process that happens to have its pid."""
+    from infra.launch import launch_env
+    from infra.locks import LEASE_ENV, holder
+    from infra.recipe import AccelerateCfg
+
+    seen = {}
+
+    def build(cfg, inputs, out):
+        seen["env"], seen["lease"] = launch_env(AccelerateCfg()).get(LEASE_ENV), holder(lease_file(tmp_path))["token"]
+        return {}
+
+    run_step(tmp_path / "run", Step("train", "test", build, Cfg()), {})
+    assert seen["env"] and seen["env"] == seen["lease"]
+    assert LEASE_ENV not in launch_env(AccelerateCfg()), "outside a build nothing claims a lease"
+
+
 def test_a_lock_file_planted_as_a_link_or_owned_by_another_user_is_refused(tmp_path):
     from infra.errors import SmolflowError
 
