@@ -38,6 +38,7 @@ from infra.errors import SmolflowError, StepLocked
 from infra.procs import HOST, Proc, kill_tree
 
 LEASE_S = 120.0  # another host takes a lock over once its heartbeat is this old
+FIRST_WRITE_S = 10.0  # a holder writes its lease within this of creating the file: an empty file older than it is a dead one's
 LEASE_ENV = "SMOLFLOW_LEASE"  # the token of the lease whose holder launched a process
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ def acquire(path: Path, lease_s: float | None = None) -> Lock | None:
         os.close(fd)  # its holder released and unlinked it between our open and our flock: take the new file
     old = None if created else _parse(os.pread(fd, 1 << 20, 0))
     if not created and old is None:  # a file with no readable lease: a holder between its create and its first write?
-        old = {"host": "an unknown host (no lease written yet)", "heartbeat": os.fstat(fd).st_mtime}
+        old = {"host": "an unknown host (no lease written yet)", "heartbeat": os.fstat(fd).st_mtime, "lease_s": min(lease_s, FIRST_WRITE_S)}
     if old is not None:
         # this host's holder would still hold the kernel lock: we have it, so it is gone; another host's lease must expire
         if old.get("host") != HOST and time.time() - float(old.get("heartbeat", 0)) < float(old.get("lease_s", lease_s)):
