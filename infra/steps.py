@@ -242,11 +242,12 @@ class Status:
     fingerprints: dict[str, str] = field(default_factory=dict)  # what the id hashes besides the config
 
 
-def decide(
-    run_dir: Path, step: Step, sid: str, fingerprints: Mapping[str, str], mirror: Mirror | None = None, store: Path | None = None
-) -> Status:
-    """The one decision for a step with id SID: the build acts on it, the dry run and upstream checks print it."""
-    run_dir, folder, fingerprints = Path(run_dir), folder_name(step.name, sid), dict(fingerprints)
+def decide(run_dir: Path, step: Step, fingerprints: Mapping[str, str], mirror: Mirror | None = None, store: Path | None = None) -> Status:
+    """The one decision for a step whose inputs have these FINGERPRINTS (`Step.fingerprints`): the build acts on it,
+    the dry run and upstream checks print it."""
+    fingerprints = dict(fingerprints)
+    sid = step_id(step.name, identity(step.config), fingerprints)
+    run_dir, folder = Path(run_dir), folder_name(step.name, sid)
     store = Path(store) if store is not None else store_of(run_dir)
     linked = read_manifest(run_dir / step.name)
     changes = changed_keys(linked["config"], identity(step.config)) if linked and linked["step_id"] != sid else []
@@ -279,7 +280,7 @@ def statuses(run_dir: Path, steps: Iterable[Step], mirror: Mirror | None = None,
             out.append(Status(step, "rerun" if linked else "run", f"after {', '.join(waiting)}"))
             continue
         fps = step.fingerprints({k: current[d.name] for k, d in step.deps.items()})
-        status = decide(run_dir, step, step_id(step.name, identity(step.config), fps), fps, mirror, store)
+        status = decide(run_dir, step, fps, mirror, store)
         current[step.name] = status.output
         out.append(status)
     return out
@@ -325,9 +326,7 @@ def run_step(
     Runs that share a store build a step with the same identity once: a run that finds it being built
     by another process waits for it, saying who holds it every minute, and gives up after WAIT_S."""
     run_dir = Path(run_dir)
-    fingerprints = step.fingerprints(inputs)
-    sid = step_id(step.name, identity(step.config), fingerprints)
-    return obtain(run_dir, decide(run_dir, step, sid, fingerprints, mirror), mirror, inputs, wait_s)
+    return obtain(run_dir, decide(run_dir, step, step.fingerprints(inputs), mirror), mirror, inputs, wait_s)
 
 
 def obtain(
@@ -511,21 +510,22 @@ def convert_layout(run_dir: Path) -> list[str]:
         moved.append(f"{_OLD_STORE} -> {STEPS}")
     store = store_of(run_dir)
 
-    def move(src: Path, dst: Path) -> None:
+    def move(src: Path, dst: Path) -> bool:
         if os.path.lexists(dst):
             log.warning("layout: %s is already in the store as %s: left where it is", src, dst)
-            return
+            return False
         dst.parent.mkdir(parents=True, exist_ok=True)
         os.replace(src, dst)
         moved.append(f"{src.relative_to(run_dir)} -> {dst.relative_to(run_dir)}")
+        return True
 
     for entry in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
         if entry.is_symlink() and (target := os.readlink(entry)).startswith(f"{_OLD_STORE}/"):  # an ablation run's step
             _link(entry, Path(STEPS) / target.removeprefix(f"{_OLD_STORE}/"))
             moved.append(f"{entry.name} -> {STEPS}/{target.removeprefix(f'{_OLD_STORE}/')}")
         elif entry.is_dir() and not entry.is_symlink() and (m := read_manifest(entry)) and m.get("name") == entry.name:
-            move(entry, store / folder_name(entry.name, m["step_id"]))
-            _link(entry, Path(STEPS) / folder_name(entry.name, m["step_id"]))
+            if move(entry, store / folder_name(entry.name, m["step_id"])):
+                _link(entry, Path(STEPS) / folder_name(entry.name, m["step_id"]))
     old = run_dir / _OLD_PREVIOUS
     for entry in sorted(old.iterdir()) if old.is_dir() else []:
         if entry.name.endswith(".partial") and folder_step_id(entry.with_name(entry.name.removesuffix(".partial"))):
@@ -535,10 +535,9 @@ def convert_layout(run_dir: Path) -> list[str]:
     partial = run_dir / PARTIAL
     for entry in sorted(partial.iterdir()) if partial.is_dir() else []:
         if entry.is_dir() and not entry.is_symlink() and (sid := _read_text(entry / _OLD_STEP_ID)):
-            (entry / _OLD_STEP_ID).unlink()
-            move(entry, store / PARTIAL / folder_name(entry.name, sid.strip()))
-        elif entry.suffix == ".lock" and entry.is_file() and not entry.is_symlink() and entry.stat().st_size == 0:
-            entry.unlink()
+            target = store / PARTIAL / folder_name(entry.name, sid.strip())
+            if move(entry, target):
+                (target / _OLD_STEP_ID).unlink()  # the folder's name carries its id now
     for folder in (old, partial):
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()

@@ -571,7 +571,6 @@ COMMITTER = textwrap.dedent(
             real_write(path, data)
         steps.write_json_atomic = write_json_atomic
     if case in ("before rename", "after rename"):
-        real_commit = steps._commit
         def commit(ready, final):
             if case == "after rename":
                 os.replace(ready, final)
