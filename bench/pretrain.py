@@ -34,7 +34,6 @@ from model.data import IGNORE, MixtureBatches, TokenSource, sample_order  # noqa
 from model.network import build_model, flops_per_token, model_config, param_groups  # noqa: E402
 from model.train import lm_loss, measure_peak_flops  # noqa: E402
 from tasks.curation import tokenizer as bpe  # noqa: E402
-from tasks.pretrain import run_slurm_job, train_configs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,26 +56,40 @@ def textbook_loss(logits: torch.Tensor, labels: torch.Tensor, z_loss: float) -> 
     return ce + z_loss * (torch.logsumexp(logits, dim=-1)[targets != IGNORE] ** 2).mean(), ce
 
 
-def bare_loop(recipe, batches: MixtureBatches, vocab: int, steps: int, warmup: int, loss_fn=lm_loss) -> float:
-    """Tokens/s of a plain PyTorch loop: forward, loss, backward, clip, AdamW step."""
+def sync(device: str) -> None:
+    """Wait for the device's queued work, so that a wall-clock time covers it."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def bare_loop(
+    recipe, batches: MixtureBatches, vocab: int, steps: int, warmup: int, loss_fn=lm_loss, device: str = "cpu", bf16: bool = False
+) -> float:
+    """Tokens/s of a plain PyTorch loop: forward (bf16 autocast when asked), loss, backward, clip, AdamW step."""
     p = recipe.pretrain
-    model = build_model(model_config(recipe.model, vocab, p.seq_len), seed=0)
+    model = build_model(model_config(recipe.model, vocab, p.seq_len), seed=0).to(device)
     opt = torch.optim.AdamW(param_groups(model, p.optimizer.weight_decay), lr=p.optimizer.lr, betas=p.optimizer.betas)
     for step in range(warmup + steps):
         if step == warmup:
+            sync(device)
             start = time.perf_counter()
         for mb in batches.micro_batches(step, 0, 1):
-            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
+            mb = {key: value.to(device) for key, value in mb.items()}
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+                logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
             loss, _ = loss_fn(logits, mb["labels"], p.optimizer.z_loss)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), p.optimizer.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+    sync(device)
     return steps * batches.batch_size * p.seq_len / (time.perf_counter() - start)
 
 
 def trainer(recipe, root: Path, samples: dict[str, int], steps: int, log_every: int, peak: float, launcher: LauncherCfg, run: int = 0):
     """Tokens/s the real trainer logs (its first window, with start-up, left out), its summary, and the job's wall time."""
+    from tasks.pretrain import run_slurm_job, train_configs
+
     phase1 = train_configs(recipe)[0]
     opt = recipe.pretrain.optimizer
     config = phase1.model_copy(

@@ -67,6 +67,8 @@ def setup_distributed() -> tuple[int, int]:
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         os.environ.setdefault(key, value)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     skip_deepspeed_shm_build()
     if not torch.distributed.is_initialized() and os.environ["WORLD_SIZE"] == "1":
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
@@ -75,9 +77,24 @@ def setup_distributed() -> tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-def measure_peak_flops(seconds: float = 1.5, n: int = 1024) -> float:
-    """Achieved fp32 matmul FLOP/s of this process (the MFU denominator on a CPU): the best of several
-    short probes, so that a moment of contention from other processes does not lower it."""
+def measure_peak_flops(precision: str = "fp32", seconds: float = 1.5) -> float:
+    """Achieved matmul FLOP/s of this process's device in the run's precision (the MFU denominator):
+    on a GPU, the median of 8192^3 products on random data (zeros run faster than real weights); on a
+    CPU, 1024^3 fp32 products, the best of several short probes, so that a moment of contention from
+    other processes does not lower it."""
+    if torch.cuda.is_available():
+        n, dtype = 8192, torch.bfloat16 if precision == "bf16" else torch.float32
+        a, b = (torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(2))
+        times = []
+        for _ in range(13):  # 3 warm-ups
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            a @ b
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return 2 * n**3 / sorted(times[3:])[5]
+    n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
     best = 0.0
@@ -208,7 +225,7 @@ def agree(value: float, op) -> float:
 
     if dist.get_world_size() == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")  # NCCL reduces GPU tensors only
     dist.all_reduce(t, op=op)
     return float(t.item())
 
@@ -224,7 +241,7 @@ def train_step(engine, batches: list[dict[str, torch.Tensor]], cfg: TrainConfig,
     bf16 = cfg.precision == "bf16" and not torch.cuda.is_available()
     losses, dropped = [], False
     for batch in batches:
-        batch = flatten(batch) if flash else batch
+        batch = {key: value.to(engine.device) for key, value in (flatten(batch) if flash else batch).items()}
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         loss, ce = lm_loss(logits, batch["labels"], cfg.z_loss)
@@ -341,7 +358,7 @@ def train(job: TrainJob) -> dict[str, Any]:
         if cfg.long_context
         else f"{cfg.phase}: from scratch"
     )
-    fpt, peak = flops_per_token(engine.module.config, cfg.seq_len), cfg.peak_flops or measure_peak_flops()
+    fpt, peak = flops_per_token(engine.module.config, cfg.seq_len), cfg.peak_flops or measure_peak_flops(cfg.precision)
     tracker, tokens_per_step = Tracker(job, rank), cfg.batch_size * cfg.seq_len
     say(
         f"{cfg.phase}: {cfg.schedule.steps} steps x {tokens_per_step:,} tokens, seq {cfg.seq_len}, {world} rank(s) of "

@@ -151,7 +151,10 @@ def train_phase(cfg: PhaseStepCfg, inputs: Mapping[str, StepOutput], out: Path) 
     if previous is not None:
         init_from = str(previous.final if t.long_context else previous.path / "checkpoints")
         init_remote = f"{previous.folder}/checkpoints"
-    if t.peak_flops is None and cfg.launcher.kind != "slurm":  # a Slurm job probes on its own node
+    import torch
+
+    # a Slurm job probes on its own node, a GPU trainer its own device in the phase's precision
+    if t.peak_flops is None and cfg.launcher.kind != "slurm" and not torch.cuda.is_available():
         t = t.model_copy(update={"peak_flops": run_peak_flops(run_dir, thread_count(cfg.launcher.threads_per_rank), t.phase)})
     job = TrainJob(
         config=t,
