@@ -103,7 +103,7 @@ def _pretraining_report(run: Run, graph: Graph, out: dict[str, StepOutput]) -> P
 @stage_report(lambda graph: [*graph.ladder, graph.pairs])
 def _post_training_report(run: Run, graph: Graph, out: dict[str, StepOutput]) -> Path:
     # the earlier rungs and the pairs are upstream of the last rung, so current: the report reads them as they are
-    done = {s.name: out.get(s.name) or finished(run.run_dir, s.name) for s in [*graph.ladder, graph.pairs]}
+    done = {s.name: out.get(s.name) or finished(run.run_dir, s) for s in [*graph.ladder, graph.pairs]}
     models = [(s.model, done[s.name]) for s in graph.ladder]
     return postrain.report(run.run_dir, run.recipe.name, models, done[graph.pairs.name], list(done.values()))
 

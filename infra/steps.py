@@ -27,6 +27,7 @@ build, or a build whose commit was cut off), run or rerun.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -39,14 +40,15 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from infra.errors import SmolflowError, StepLocked, UpstreamMissing
 from infra.locks import acquire, describe, holder, holding
 from infra.recipe import Recipe, is_operational, load_recipe, parse_recipe, recipe_dump
 from infra.storage import Mirror, StorageError, fingerprint_files, fsync_dir, fsync_tree, write_json_atomic
+from infra.summaries import Summary, read_summary
 
 MANIFEST = "manifest.json"
 FINAL = "final"  # STEP/final: the HF model a step leaves (`Step.model` labels it)
@@ -109,7 +111,8 @@ Build = Callable[[Any, Mapping[str, "StepOutput"], Path], dict[str, Any]]
 
 @dataclass(frozen=True, eq=False)
 class Step:
-    """One unit of work: `fn(config, inputs, out_dir)` writes the outputs and returns a JSON-able summary.
+    """One unit of work: `fn(config, inputs, out_dir)` writes the outputs and returns its summary, an
+    instance of the infra.summaries model its return type declares (`summary_type`).
 
     `inputs` maps each name of `deps` to that upstream step's StepOutput. `watch(config)` returns
     content fingerprints of files outside the run the step reads (raw sources, eval sets). `stage`
@@ -135,6 +138,13 @@ class Step:
     def step_id(self, inputs: Mapping[str, StepOutput | str]) -> str:
         return step_id(self.name, identity(self.config), self.fingerprints(inputs))
 
+    @property
+    def summary_type(self) -> type[Summary]:
+        """The summary model the function's return type names; an open Summary where it names none."""
+        fn = self.fn.func if isinstance(self.fn, functools.partial) else self.fn
+        kind = get_type_hints(fn).get("return")
+        return kind if isinstance(kind, type) and issubclass(kind, Summary) else Summary
+
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -144,7 +154,7 @@ class StepOutput:
     step_id: str
     path: Path
     fingerprint: str
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: Summary = field(default_factory=Summary)
     cached: bool = False
     seconds: float = 0.0
     lineage: dict[str, str] = field(default_factory=dict)  # every upstream step's name -> step id, upstream first
@@ -188,13 +198,18 @@ def read_manifest(step_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _output(manifest: dict[str, Any], path: Path, cached: bool) -> StepOutput:
+def _output(manifest: dict[str, Any], path: Path, cached: bool, step: Step | None = None) -> StepOutput:
+    """A finished version's output; its summary read with the model its manifest names (a manifest from
+    before schemas: the model STEP declares, if known)."""
+    raw, schema = manifest.get("summary", {}), manifest.get("summary_schema")
+    if schema is None and step is not None:
+        schema = step.summary_type.schema_name()
     return StepOutput(
         name=manifest["name"],
         step_id=manifest["step_id"],
         path=path,
         fingerprint=manifest["fingerprint"],
-        summary=manifest.get("summary", {}),
+        summary=read_summary(raw, schema, str(path / MANIFEST)),
         cached=cached,
         seconds=manifest.get("seconds", 0.0),
         lineage=dict(manifest.get("lineage", [])),
@@ -220,10 +235,10 @@ def version(run_dir: Path, name: str, sid: str) -> Path:
     return store_of(run_dir) / folder_name(name, sid)
 
 
-def finished(run_dir: Path, name: str) -> StepOutput | None:
-    """The version of step NAME the run links to, if finished (for reports and discovery)."""
-    manifest = read_manifest(Path(run_dir) / name)
-    return _output(manifest, Path(run_dir) / name, cached=True) if manifest else None
+def finished(run_dir: Path, step: Step) -> StepOutput | None:
+    """The version of STEP the run links to, if finished (for reports and discovery)."""
+    manifest = read_manifest(Path(run_dir) / step.name)
+    return _output(manifest, Path(run_dir) / step.name, cached=True, step=step) if manifest else None
 
 
 # --- the decision ----------------------------------------------------------------------------
@@ -254,12 +269,12 @@ def decide(run_dir: Path, step: Step, fingerprints: Mapping[str, str], mirror: M
     found = read_manifest(store / folder)
     if found and found["step_id"] == sid:
         reason = "" if linked and linked["step_id"] == sid else f"in the store {store.resolve()}"
-        return Status(step, "cached", reason, [], _output(found, run_dir / step.name, cached=True), sid, fingerprints)
+        return Status(step, "cached", reason, [], _output(found, run_dir / step.name, cached=True, step=step), sid, fingerprints)
     partial = store / PARTIAL / folder
     if read_manifest(partial) or (store / PARTIAL / f"{folder}{BUILT}").is_file():
         return Status(step, "resume", "built, its commit was cut off: committing without building again", changes, None, sid, fingerprints)
     if mirror is not None and (remote := _remote_manifest(mirror, folder)) and remote.get("step_id") == sid:
-        output = _output(remote, run_dir / step.name, cached=True)
+        output = _output(remote, run_dir / step.name, cached=True, step=step)
         return Status(step, "pull", f"finished on {mirror.prefix}", changes, output, sid, fingerprints)
     if partial.is_dir():
         return Status(step, "resume", "a partial build with this identity exists", changes, None, sid, fingerprints)
@@ -301,7 +316,7 @@ def require(run_dir: Path, status: Status, needed_by: str) -> None:
     if status.state in ("cached", "pull"):
         return
     step = status.step
-    if finished(run_dir, step.name) is None:
+    if finished(run_dir, step) is None:
         raise UpstreamMissing(
             f"{needed_by} needs the output of step {step.name!r}, which {run_dir} does not have: run the stage that "
             f"produces it first: `smolflow stage {step.stage} RECIPE --run-dir {run_dir}` (or `smolflow run` for the whole pipeline)"
@@ -316,6 +331,18 @@ def require(run_dir: Path, status: Status, needed_by: str) -> None:
 # --- building --------------------------------------------------------------------------------
 
 WAIT_LOG_S = 60.0  # how often a run waiting for another builder says who holds the step
+
+
+class SummaryMismatch(SmolflowError):
+    """A step function returned something its declared summary model does not accept (a code error: no retry)."""
+
+
+def _checked(step: Step, returned: Any) -> Summary:
+    kind = step.summary_type
+    try:
+        return kind.model_validate(returned)
+    except ValidationError as err:
+        raise SummaryMismatch(f"step {step.name}: its summary does not match {kind.schema_name()}: {err}") from None
 
 
 def run_step(
@@ -386,7 +413,7 @@ def _build(store: Path, folder: str, status: Status, mirror: Mirror | None, inpu
     final, partial, built = store / folder, store / PARTIAL / folder, store / PARTIAL / f"{folder}{BUILT}"
     if (manifest := read_manifest(final)) and manifest.get("step_id") == sid:  # finished while we waited for the lock
         built.unlink(missing_ok=True)
-        return _output(manifest, final, cached=True)
+        return _output(manifest, final, cached=True, step=step)
     if (manifest := read_manifest(partial)) is None and not built.is_file() and mirror is not None:
         if (remote := _remote_manifest(mirror, folder)) and remote.get("step_id") == sid:
             pulled = store / PARTIAL / f"{folder}.pull"  # a download, not work: an earlier attempt's is replaced
@@ -396,7 +423,7 @@ def _build(store: Path, folder: str, status: Status, mirror: Mirror | None, inpu
             if fingerprint_tree(pulled) == remote["fingerprint"]:
                 lock.check()
                 _commit(pulled, final)
-                return _output(remote, final, cached=True)
+                return _output(remote, final, cached=True, step=step)
             shutil.rmtree(pulled)
             log.warning("step %s: the copy on %s does not match its manifest's fingerprint: building it here", step.name, mirror.prefix)
     if manifest is None:
@@ -410,9 +437,10 @@ def _build(store: Path, folder: str, status: Status, mirror: Mirror | None, inpu
                 log.info("step %s: resuming the partial build %s", step.name, partial)
             partial.mkdir(parents=True, exist_ok=True)
             started = time.time()
-            summary = step.fn(step.config, inputs, partial)
+            summary = _checked(step, step.fn(step.config, inputs, partial))
             record = {
-                "summary": summary,
+                "summary": summary.model_dump(mode="json"),
+                "summary_schema": summary.schema_name(),
                 "inputs": status.fingerprints,
                 "lineage": list(lineage(inputs).items()),  # pairs: JSON objects are written with sorted keys
                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
@@ -436,7 +464,7 @@ def _build(store: Path, folder: str, status: Status, mirror: Mirror | None, inpu
     if mirror is not None:
         mirror.push(final, folder, MANIFEST, skip_dirs=UNTRACKED_DIRS)
     log.info("step %s: built in %.1f s", step.name, manifest.get("seconds", 0.0))
-    return _output(manifest, final, cached=False)
+    return _output(manifest, final, cached=False, step=step)
 
 
 def _commit(ready: Path, final: Path) -> None:

@@ -32,6 +32,7 @@ from infra.procs import PREEMPTED, PREEMPTED_MARK, die_with_parent, watch_owner
 from infra.recipe import S3Cfg, SpikeCfg
 from infra.steps import FINAL
 from infra.storage import Mirror
+from infra.summaries import PhaseSummary
 from model.checkpoint import MARKER, CheckpointStore, DiskFull, MirrorBehind, tag_for, verify, weights_only_engine
 from model.config import TrainConfig, TrainJob
 from model.data import IGNORE, MixtureBatches, TokenSource, flatten, sample_order
@@ -331,7 +332,7 @@ class Window:
         }
 
 
-def train(job: TrainJob) -> dict[str, Any]:
+def train(job: TrainJob) -> PhaseSummary:
     from transformers import AutoTokenizer
 
     die_with_parent()
@@ -459,25 +460,25 @@ def load(engine, where: tuple[Path, str], guard: SpikeGuard, optimizer_only: boo
     return client["step"]
 
 
-def finish(job: TrainJob, engine, store, tokenizer, tracker, rank, step, guard, saves, dropped_steps) -> dict[str, Any]:
+def finish(job: TrainJob, engine, store, tokenizer, tracker, rank, step, guard, saves, dropped_steps) -> PhaseSummary:
     import torch.distributed as dist
 
     cfg = job.config
     done = step >= cfg.schedule.steps
-    summary = {
-        "phase": cfg.phase,
-        "steps": cfg.schedule.steps,
-        "tokens": cfg.schedule.steps * cfg.batch_size * cfg.seq_len,
-        "final_loss": guard.ema,
-        "seq_len": cfg.seq_len,
-        "stopped_early": not done,
-        "dropped_steps": dropped_steps,
-        "failed_uploads": store.close(wait_s=UPLOAD_WAIT_S) if rank == 0 else [],
-        "checkpoint_seconds": round(sum(saves) / len(saves), 3) if saves else None,
-    }
+    summary = PhaseSummary(
+        phase=cfg.phase,
+        steps=cfg.schedule.steps,
+        tokens=cfg.schedule.steps * cfg.batch_size * cfg.seq_len,
+        final_loss=guard.ema,
+        seq_len=cfg.seq_len,
+        stopped_early=not done,
+        dropped_steps=dropped_steps,
+        failed_uploads=store.close(wait_s=UPLOAD_WAIT_S) if rank == 0 else [],
+        checkpoint_seconds=round(sum(saves) / len(saves), 3) if saves else None,
+    )
     if rank == 0 and done:
         export_final(engine, tokenizer, Path(job.out_dir) / FINAL, cfg.yarn_factor)
-        (Path(job.out_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        (Path(job.out_dir) / "summary.json").write_text(summary.model_dump_json(indent=2))
     tracker.finish()
     dist.barrier()
     return summary

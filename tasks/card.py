@@ -20,7 +20,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from infra.errors import SmolflowError
-from infra.steps import FINAL, StepOutput, folder_step_id, identity, read_manifest, version
+from infra.steps import FINAL, MANIFEST, StepOutput, folder_step_id, identity, read_manifest, version
+from infra.summaries import ChatDataSummary, PhaseSummary, Summary, TrainedSummary, read_summary
 from postrain.data import sign_slips_note
 
 CARD = "README.md"
@@ -73,7 +74,7 @@ def _history(steps: list[dict[str, Any]]) -> list[str]:
     """Pretraining phases (tokens, mixture) and post-training steps (trainer, held-out score) in training order, and any
     flaw planted in the chat data (a reader of the card must not take it for a defect of the pipeline)."""
     lines = []
-    phases = [m for m in steps if "train" in m["config"] and "phase" in m["config"]["train"]]
+    phases = [m for m in steps if isinstance(m["summary"], PhaseSummary)]
     if phases:
         lines += ["Pretraining:", "", "| phase | tokens | sequence length | mixture (share of sequences) | final loss |"]
         lines.append("|---|---|---|---|---|")
@@ -81,9 +82,10 @@ def _history(steps: list[dict[str, Any]]) -> list[str]:
             t, s = m["config"]["train"], m["summary"]
             total = sum(t["samples"].values()) or 1
             mix = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(t["samples"].items()))
-            lines.append(f"| {t['phase']} | {s.get('tokens', 0):,} | {t['seq_len']} | {mix} | {s.get('final_loss', float('nan')):.3f} |")
-        lines += ["", f"Tokens seen in pretraining: {sum(m['summary'].get('tokens', 0) for m in phases):,}.", ""]
-    post = [m for m in steps if isinstance(m["summary"].get("eval"), dict)]
+            loss = f"{s.final_loss:.3f}" if s.final_loss is not None else "n/a"
+            lines.append(f"| {s.phase} | {s.tokens:,} | {s.seq_len} | {mix} | {loss} |")
+        lines += ["", f"Tokens seen in pretraining: {sum(m['summary'].tokens for m in phases):,}.", ""]
+    post = [m for m in steps if isinstance(m["summary"], TrainedSummary)]
     if post:
         lines += ["Post-training (held-out prompts, greedy):", ""]
         lines.append("| step | trainer settings | held-out accuracy | by family | answer tokens |")
@@ -91,11 +93,11 @@ def _history(steps: list[dict[str, Any]]) -> list[str]:
         for m in post:
             trainer = next((v for k, v in m["config"].items() if isinstance(v, dict) and "max_steps" in v), {})
             settings = ", ".join(f"{k} {trainer[k]}" for k in ("max_steps", "batch_size", "learning_rate") if k in trainer)
-            e = m["summary"]["eval"]
-            family = ", ".join(f"{k} {v:.0%}" for k, v in e.get("by_family", {}).items())
-            lines.append(f"| {m['name']} | {settings} | {e['accuracy']:.1%} | {family} | {e['mean_answer_tokens']:.1f} |")
+            e = m["summary"].eval
+            family = ", ".join(f"{k} {v:.0%}" for k, v in e.by_family.items())
+            lines.append(f"| {m['name']} | {settings} | {e.accuracy:.1%} | {family} | {e.mean_answer_tokens:.1f} |")
         lines.append("")
-    slips = sum(m["summary"].get("sign_slips", 0) for m in steps)
+    slips = sum(m["summary"].sign_slips for m in steps if isinstance(m["summary"], ChatDataSummary))
     if slips:
         lines += [sign_slips_note(slips), ""]
     return lines
@@ -116,7 +118,7 @@ def _evals(records: Mapping[str, Any]) -> list[str]:
 
 def render(folder: Path, name: str, step_id: str, run_dir: Path, steps: list[dict[str, Any]], evals: Mapping[str, Any]) -> str:
     """The card of model FOLDER, made by step NAME (STEP_ID) of RUN_DIR; STEPS: the manifests of its lineage and
-    its own (name, step_id, config, summary), upstream first; EVALS: lm-eval results by task."""
+    its own (name, step_id, config, summary), upstream first, summaries typed (`typed`); EVALS: lm-eval results by task."""
     recipe = run_dir / "recipe.json"
     recipe_name = json.loads(recipe.read_text()).get("name", "?") if recipe.is_file() else "?"
     recipe_hash = hashlib.sha256(recipe.read_bytes()).hexdigest()[:12] if recipe.is_file() else "?"
@@ -175,13 +177,18 @@ def lineage_manifests(inputs: Mapping[str, StepOutput]) -> list[dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for upstream in inputs.values():
         for name, sid in (upstream.lineage | {upstream.name: upstream.step_id}).items():
-            manifest = read_manifest(version(upstream.path.parent, name, sid))
-            if manifest:
-                out.setdefault(name, manifest)
+            folder = version(upstream.path.parent, name, sid)
+            if manifest := read_manifest(folder):
+                out.setdefault(name, typed(manifest, folder))
     return list(out.values())
 
 
-def write_card(out: Path, config: BaseModel, summary: dict[str, Any], inputs: Mapping[str, StepOutput]) -> Path:
+def typed(manifest: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A manifest with its summary read as the model it was written with."""
+    return manifest | {"summary": read_summary(manifest.get("summary", {}), manifest.get("summary_schema"), str(folder / MANIFEST))}
+
+
+def write_card(out: Path, config: BaseModel, summary: Summary, inputs: Mapping[str, StepOutput]) -> Path:
     """Inside a build: write `out/final/README.md` for the model the step leaves there."""
     sid = folder_step_id(out)
     name = out.name.removesuffix(f"-{sid}")  # a store folder is NAME-ID
@@ -203,8 +210,9 @@ def publish_card(run_dir: Path, name: str) -> tuple[Path, str]:
         raise SmolflowError(f"{step}: no finished model folder (final/ of a finished step); finished here: {', '.join(found) or 'none'}")
     folder = step / FINAL
     record = ResultStore(str(run_dir / "evals" / "results")).get(local_fingerprint(folder)) or {}
-    lineage = [m for n, sid in manifest.get("lineage", []) if (m := read_manifest(version(run_dir, n, sid)))]
-    return folder, render(folder, name, manifest["step_id"], run_dir, [*lineage, manifest], record.get("tasks", {}))
+    folders = [version(run_dir, n, sid) for n, sid in manifest.get("lineage", [])]
+    lineage = [typed(m, folder) for folder in folders if (m := read_manifest(folder))]
+    return folder, render(folder, name, manifest["step_id"], run_dir, [*lineage, typed(manifest, step)], record.get("tasks", {}))
 
 
 def publish(folder: Path, card: str, repo_id: str, private: bool) -> str:

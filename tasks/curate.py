@@ -29,6 +29,16 @@ from infra.recipe import (
 )
 from infra.steps import StepOutput
 from infra.storage import fingerprint_files, fingerprint_url, write_json_atomic
+from infra.summaries import (
+    CorpusSummary,
+    DecontaminateSummary,
+    DedupSummary,
+    FilterSummary,
+    IngestSummary,
+    MixturesSummary,
+    TokenizerSummary,
+    TokenizeSummary,
+)
 from tasks.common import run_logger, stage_task
 from tasks.curation import corpus, pipelines, tokenizer
 from tasks.curation.mixtures import MixturePhase, resolve_mixtures
@@ -67,7 +77,7 @@ def _max_bytes(cfg: CorpusStepCfg) -> int | None:
     return int(cfg.embedded.stdlib_max_mb * 2**20) if cfg.embedded.stdlib_max_mb else None
 
 
-def build_corpus(cfg: CorpusStepCfg, inputs: Inputs, out: Path) -> dict:
+def build_corpus(cfg: CorpusStepCfg, inputs: Inputs, out: Path) -> CorpusSummary:
     """The embedded corpus, built from the stdlib and generated math with no network."""
     e, root = cfg.embedded, corpus.stdlib_root()
     questions = corpus.read_eval_questions(cfg.eval_sets)
@@ -76,7 +86,7 @@ def build_corpus(cfg: CorpusStepCfg, inputs: Inputs, out: Path) -> dict:
         root, _max_bytes(cfg), e.math_problems, e.problems_per_doc, e.max_value, cfg.seed, questions, out, cfg.shards, workers
     )
     run_logger().info("embedded corpus: %s documents", counts)
-    return {"docs": counts, "stdlib": str(root)}
+    return CorpusSummary(docs=counts, stdlib=str(root))
 
 
 class IngestStepCfg(Strict):
@@ -99,12 +109,12 @@ def source_files(cfg: IngestStepCfg) -> dict[str, str]:
     return fps
 
 
-def ingest(cfg: IngestStepCfg, inputs: Inputs, out: Path) -> dict:
+def ingest(cfg: IngestStepCfg, inputs: Inputs, out: Path) -> IngestSummary:
     """Every raw source read into uniform JSONL; malformed records counted, never dropped silently."""
     paths = {s.name: str(inputs["embedded"].path / s.domain) if s.format == "embedded" else s.path for s in cfg.sources}
-    summary = pipelines.ingest(cfg.sources, paths, cfg.executor, cfg.s3, cfg.strict, out)
-    for name, s in summary["sources"].items():
-        run_logger().info("ingest %s: %d documents from %d files, %d malformed", name, s["docs"], s["files"], s["malformed"])
+    summary = IngestSummary.model_validate(pipelines.ingest(cfg.sources, paths, cfg.executor, cfg.s3, cfg.strict, out))
+    for name, s in summary.sources.items():
+        run_logger().info("ingest %s: %d documents from %d files, %d malformed", name, s.docs, s.files, s.malformed)
     return summary
 
 
@@ -113,13 +123,13 @@ class FilterStepCfg(Strict):
     executor: ExecutorCfg
 
 
-def filter_docs(cfg: FilterStepCfg, inputs: Inputs, out: Path) -> dict:
-    summary = pipelines.filter_docs(cfg.filters, cfg.executor, inputs["docs"].path, out)
-    sources = summary["sources"]
+def filter_docs(cfg: FilterStepCfg, inputs: Inputs, out: Path) -> FilterSummary:
+    summary = FilterSummary.model_validate(pipelines.filter_docs(cfg.filters, cfg.executor, inputs["docs"].path, out))
+    sources = summary.sources
     for name, s in sources.items():
-        run_logger().info("filter %s: %d in, %d out", name, s["docs_in"], s["docs_out"])
-    if sum(s["docs_out"] for s in sources.values()) == 0:
-        counts = "; ".join(f"{n}: {s['docs_in']} in, removed {s['removed']}" for n, s in sources.items())
+        run_logger().info("filter %s: %d in, %d out", name, s.docs_in, s.docs_out)
+    if sum(s.docs_out for s in sources.values()) == 0:
+        counts = "; ".join(f"{n}: {s.docs_in} in, removed { ({k: r.total for k, r in s.removed.items()}) }" for n, s in sources.items())
         raise DataError(f"every document was filtered out ({counts}); loosen curate.filters")
     return summary
 
@@ -129,9 +139,9 @@ class DedupStepCfg(Strict):
     executor: ExecutorCfg
 
 
-def dedup(cfg: DedupStepCfg, inputs: Inputs, out: Path) -> dict:
-    summary = pipelines.dedup(cfg.dedup, cfg.executor, inputs["docs"].path, out)
-    run_logger().info("dedup: %d in, removed %s", summary["docs_in"], summary["removed"])
+def dedup(cfg: DedupStepCfg, inputs: Inputs, out: Path) -> DedupSummary:
+    summary = DedupSummary.model_validate(pipelines.dedup(cfg.dedup, cfg.executor, inputs["docs"].path, out))
+    run_logger().info("dedup: %d in, removed %s", summary.docs_in, summary.removed)
     return summary
 
 
@@ -140,13 +150,13 @@ class DecontaminateStepCfg(Strict):
     executor: ExecutorCfg
 
 
-def decontaminate(cfg: DecontaminateStepCfg, inputs: Inputs, out: Path) -> dict:
+def decontaminate(cfg: DecontaminateStepCfg, inputs: Inputs, out: Path) -> DecontaminateSummary:
     docs = inputs["docs"].path
     if cfg.decontaminate.enabled:
-        summary = pipelines.decontaminate(cfg.decontaminate, cfg.executor, docs, out)
+        summary = DecontaminateSummary.model_validate(pipelines.decontaminate(cfg.decontaminate, cfg.executor, docs, out))
     else:
-        summary = pipelines.passthrough(docs, out)
-    run_logger().info("decontamination: removed %s", summary.get("hits", {}))
+        summary = DecontaminateSummary.model_validate(pipelines.passthrough(docs, out))
+    run_logger().info("decontamination: removed %s", summary.hits)
     return summary
 
 
@@ -160,16 +170,16 @@ def tokenizer_file(cfg: TokenizerStepCfg) -> dict[str, str]:
     return {"tokenizer_json": fingerprint_files([("tokenizer.json", Path(path))])} if path else {}
 
 
-def train_tokenizer(cfg: TokenizerStepCfg, inputs: Inputs, out: Path) -> dict:
+def train_tokenizer(cfg: TokenizerStepCfg, inputs: Inputs, out: Path) -> TokenizerSummary:
     """Train a byte-level BPE on the curated text, or copy the tokenizer the recipe names."""
     if cfg.tokenizer.path:
         tokenizer.copy_existing(cfg.tokenizer.path, out)
-        return {"path": cfg.tokenizer.path}
+        return TokenizerSummary(path=cfg.tokenizer.path)
     train = cfg.tokenizer.train
     texts = tokenizer.sample_texts([inputs["docs"].path / pipelines.DATA / s for s in cfg.sources], int(train.sample_mb * 2**20))
     bpe = tokenizer.train_bpe(texts, train.vocab_size, train.min_frequency)
     tokenizer.save_hf(bpe, out)
-    return {"vocab_size": bpe.get_vocab_size()}
+    return TokenizerSummary(vocab_size=bpe.get_vocab_size())
 
 
 class TokenizeStepCfg(Strict):
@@ -179,11 +189,13 @@ class TokenizeStepCfg(Strict):
     executor: ExecutorCfg
 
 
-def tokenize(cfg: TokenizeStepCfg, inputs: Inputs, out: Path) -> dict:
+def tokenize(cfg: TokenizeStepCfg, inputs: Inputs, out: Path) -> TokenizeSummary:
     bpe = inputs["bpe"].path / "tokenizer.json"
-    summary = pipelines.tokenize(cfg.sources, cfg.executor, cfg.seed, cfg.heldout_fraction, inputs["docs"].path, bpe, out)
-    for name, s in summary["sources"].items():
-        run_logger().info("tokenize %s: %d documents, %d tokens", name, s["docs"], s["tokens"])
+    summary = TokenizeSummary.model_validate(
+        pipelines.tokenize(cfg.sources, cfg.executor, cfg.seed, cfg.heldout_fraction, inputs["docs"].path, bpe, out)
+    )
+    for name, s in summary.sources.items():
+        run_logger().info("tokenize %s: %d documents, %d tokens", name, s.docs, s.tokens)
     return summary
 
 
@@ -192,11 +204,11 @@ class MixturesStepCfg(Strict):
     max_epochs: float
 
 
-def mixtures(cfg: MixturesStepCfg, inputs: Inputs, out: Path) -> dict:
-    available = {name: s["tokens"] for name, s in inputs["tokens"].summary["sources"].items()}
-    manifest = resolve_mixtures(cfg.phases, cfg.max_epochs, available)
-    write_json_atomic(out / "mixtures.json", manifest)
-    for warning in manifest["warnings"]:
+def mixtures(cfg: MixturesStepCfg, inputs: Inputs, out: Path) -> MixturesSummary:
+    available = {name: s.tokens for name, s in inputs["tokens"].summary.sources.items()}
+    manifest = MixturesSummary.model_validate(resolve_mixtures(cfg.phases, cfg.max_epochs, available))
+    write_json_atomic(out / "mixtures.json", manifest.model_dump(mode="json"))
+    for warning in manifest.warnings:
         run_logger().warning("mixture: %s", warning)
     return manifest
 
@@ -208,7 +220,7 @@ def report(run_dir: Path, name: str, steps: list[StepOutput], examples_per_filte
     path = run_dir / "reports" / "curate.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(markdown)
-    path.with_suffix(".json").write_text(json.dumps({s.name: s.summary for s in steps}, indent=2))
+    path.with_suffix(".json").write_text(json.dumps({s.name: s.summary.model_dump(mode="json") for s in steps}, indent=2))
     key = f"{name}-curation".replace("_", "-")
     create_markdown_artifact(markdown, key=key, description="Curation report")
     create_table_artifact(mixture_rows(outputs["mixed"].summary), key=f"{key}-mixtures", description="Tokens drawn per phase and source")

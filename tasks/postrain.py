@@ -24,6 +24,7 @@ from infra.launch import accelerate_command, free_port, launch_env, run_streamin
 from infra.recipe import AccelerateCfg, ChatDataCfg, GenerationCfg, PreferenceCfg, Recipe, Strict, TrainerCfg
 from infra.steps import FINAL, Step, StepOutput
 from infra.storage import write_json_atomic
+from infra.summaries import ChatDataSummary, HeldoutEval, PreferenceSummary, TrainedSummary
 from postrain import data as chat
 from postrain.common import heldout_accuracy
 from postrain.generation import make_backend, resolve_backend
@@ -41,11 +42,13 @@ TRAIN, HELDOUT, PAIRS = "train.jsonl", "heldout.jsonl", "pairs.jsonl"
 DATA = {"chats": TRAIN, "pairs": PAIRS}  # what a trainer reads from an input of that role
 
 
-def score(cfg: GenerationCfg, model_path: Path, chats: StepOutput) -> dict:
+def score(cfg: GenerationCfg, model_path: Path, chats: StepOutput) -> HeldoutEval:
     """Held-out accuracy and answer length of one model, its backend released afterwards."""
     backend = make_backend(cfg.backend, str(model_path), cfg.batch_size, run_logger().info)
     try:
-        return heldout_accuracy(backend, backend.tokenizer, chat.read_jsonl(chats.path / HELDOUT), cfg.max_new_tokens)
+        return HeldoutEval.model_validate(
+            heldout_accuracy(backend, backend.tokenizer, chat.read_jsonl(chats.path / HELDOUT), cfg.max_new_tokens)
+        )
     finally:
         del backend
         gc.collect()
@@ -61,7 +64,7 @@ def eval_sets(cfg: ChatDataStepCfg) -> dict[str, str]:
     return {"eval_sets": eval_set_fingerprint(cfg.eval_sets)}
 
 
-def chat_data(cfg: ChatDataStepCfg, inputs: Inputs, out: Path) -> dict:
+def chat_data(cfg: ChatDataStepCfg, inputs: Inputs, out: Path) -> ChatDataSummary:
     d = cfg.data
     items = chat.generate(d.generated + d.heldout, d.families, d.max_value, cfg.seed, d.operators)
     for hub in d.hub:
@@ -71,11 +74,18 @@ def chat_data(cfg: ChatDataStepCfg, inputs: Inputs, out: Path) -> dict:
     slips = chat.plant_sign_slips(train, d.sign_slips, cfg.seed)
     chat.write_jsonl(out / TRAIN, train)
     chat.write_jsonl(out / HELDOUT, heldout)
-    summary = {"generated": len(items), **counts, "train": len(train), "heldout": len(heldout), "sign_slips": slips}
-    summary["families"] = dict(Counter(item["family"] for item in train))
-    summary["mixture_shortfalls"] = chat.mixture_shortfalls(summary["families"], d.families)
+    families = dict(Counter(item["family"] for item in train))
+    summary = ChatDataSummary(
+        generated=len(items),
+        **counts,
+        train=len(train),
+        heldout=len(heldout),
+        sign_slips=slips,
+        families=families,
+        mixture_shortfalls=chat.mixture_shortfalls(families, d.families),
+    )
     run_logger().info("chat data: %s", summary)
-    for line in summary["mixture_shortfalls"]:
+    for line in summary.mixture_shortfalls:
         run_logger().warning("chat data mixture: %s", line)
     return summary
 
@@ -106,10 +116,10 @@ def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, dat
     return json.loads(result.read_text())
 
 
-def scored(cfg: TrainedStepCfg, result: dict, out: Path, inputs: Inputs) -> dict:
+def scored(cfg: TrainedStepCfg, result: dict, out: Path, inputs: Inputs) -> TrainedSummary:
     """The trainer's result plus the held-out score of the model it left in `out/final`, which gets its card."""
-    summary = {**result, "eval": score(cfg.heldout_eval, out / FINAL, inputs["chats"])}
-    run_logger().info("%s: held-out accuracy %.1f%%", out.name, 100 * summary["eval"]["accuracy"])
+    summary = TrainedSummary.model_validate({**result, "eval": score(cfg.heldout_eval, out / FINAL, inputs["chats"])})
+    run_logger().info("%s: held-out accuracy %.1f%%", out.name, 100 * summary.eval.accuracy)
     write_card(out, cfg, summary, inputs)
     return summary
 
@@ -128,12 +138,12 @@ def trained(
     return Step(stage, stage, fn, config, deps, model=stage)
 
 
-def train_step(cfg: TrainedStepCfg, inputs: Inputs, out: Path, stage: str, data: str, start: str, score_start: bool) -> dict:
+def train_step(cfg: TrainedStepCfg, inputs: Inputs, out: Path, stage: str, data: str, start: str, score_start: bool) -> TrainedSummary:
     model, chats = inputs[start].final, inputs["chats"]
     before = {}
     if score_start:
         before = {"eval_before": score(cfg.heldout_eval, model, chats)}
-        run_logger().info("%s: the starting model's held-out accuracy %.1f%%", stage, 100 * before["eval_before"]["accuracy"])
+        run_logger().info("%s: the starting model's held-out accuracy %.1f%%", stage, 100 * before["eval_before"].accuracy)
     result = train(cfg, stage, getattr(cfg, stage), model, inputs[data].path / DATA[data], out)
     return scored(cfg, {**result, **before}, out, inputs)
 
@@ -142,7 +152,7 @@ class PreferenceStepCfg(Strict):
     preference: PreferenceCfg
 
 
-def preference(cfg: PreferenceStepCfg, inputs: Inputs, out: Path) -> dict:
+def preference(cfg: PreferenceStepCfg, inputs: Inputs, out: Path) -> PreferenceSummary:
     """Strong vs weak answers; unset strong/weak mean the SFT model and its early copy (the `policy` input)."""
     p, policy = cfg.preference, inputs["policy"].path
     items = chat.read_jsonl(inputs["chats"].path / TRAIN)[: p.prompts]
@@ -158,7 +168,7 @@ def preference(cfg: PreferenceStepCfg, inputs: Inputs, out: Path) -> dict:
         raise ValueError(f"no preference pairs survived: {stats}")
     chat.write_jsonl(out / PAIRS, pairs)
     run_logger().info("preference pairs: %s", stats)
-    return stats
+    return PreferenceSummary.model_validate(stats)
 
 
 @stage_task("postrain-report", retries=1)
@@ -168,23 +178,23 @@ def report(run_dir: Path, name: str, models: list[tuple[str, StepOutput]], pairs
     rows = [
         {
             "model": label,
-            "accuracy": round(e["accuracy"], 4),
-            "mean_answer_tokens": round(e["mean_answer_tokens"], 1),
-            **{f"acc_{k}": round(v, 3) for k, v in e["by_family"].items()},
+            "accuracy": round(e.accuracy, 4),
+            "mean_answer_tokens": round(e.mean_answer_tokens, 1),
+            **{f"acc_{k}": round(v, 3) for k, v in e.by_family.items()},
         }
         for label, e in rungs
     ]
     lines = ["# Post-training", "", *ladder_table(rungs)]
     if fell := falls(rungs):
         run_logger().warning("post-training ladder: %s", fell)
-    lines += ["", f"Preference pairs: {json.dumps(pairs.summary)}", "", "| step | step id | seconds to build |", "|---|---|---|"]
+    lines += ["", f"Preference pairs: {pairs.summary.model_dump_json()}", "", "| step | step id | seconds to build |", "|---|---|---|"]
     # no "cached" column: the earlier stages' steps are read back from the run dir even when this run built them
     lines += [f"| {s.name} | {s.step_id} | {s.seconds:.0f} |" for s in steps]
     for label, out in models:  # the rungs trained on a reward (GRPO)
-        if rewards := out.summary.get("reward"):
+        if rewards := out.summary.reward:
             lines += ["", f"{label} reward by step: " + ", ".join(f"{s}: {r:.3f}" for s, r in rewards)]
     for label, e in rungs:
-        lines += ["", f"**{label}** examples:"] + [f"- `{x['prompt']}` → `{x['completion']}`" for x in e["examples"]]
+        lines += ["", f"**{label}** examples:"] + [f"- `{x['prompt']}` → `{x['completion']}`" for x in e.examples]
     markdown = "\n".join(lines) + "\n"
     path = run_dir / "reports" / "postrain.md"
     path.parent.mkdir(parents=True, exist_ok=True)

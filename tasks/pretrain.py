@@ -24,6 +24,7 @@ from infra.procs import OWNER_ENV, PREEMPTED
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
 from infra.steps import StepOutput
 from infra.storage import write_json_atomic
+from infra.summaries import PhaseSummary
 from model.config import Schedule, TrainConfig, TrainJob
 from tasks.card import write_card
 from tasks.common import run_logger, stage_task
@@ -142,7 +143,7 @@ def run_peak_flops(run_dir: Path, threads: int, phase: str) -> float:
     return probes[str(threads)]["flops_per_rank"]
 
 
-def train_phase(cfg: PhaseStepCfg, inputs: Mapping[str, StepOutput], out: Path) -> dict:
+def train_phase(cfg: PhaseStepCfg, inputs: Mapping[str, StepOutput], out: Path) -> PhaseSummary:
     """Launch the trainer on the phase's job; inputs: `tokens` (tokenize), `bpe` (tokenizer), `budget`
     (mixtures: the data holds what the phase draws) and, after the first phase, `previous`."""
     t, previous, log = cfg.train, inputs.get("previous"), run_logger()
@@ -185,7 +186,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: Mapping[str, StepOutput], out: Path) 
         raise TrainerFailed(
             f"pretrain {t.phase}: trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint"
         )
-    result = json.loads(summary.read_text())
+    result = PhaseSummary.model_validate_json(summary.read_text())
     write_card(out, cfg, result, inputs)
     return result
 
@@ -213,17 +214,17 @@ def run_slurm_job(
 def report(run_dir: Path, name: str, phases: list[StepOutput]) -> Path:
     rows = [
         {
-            "phase": s.summary["phase"],
-            "steps": s.summary["steps"],
-            "tokens": s.summary["tokens"],
-            "seq_len": s.summary["seq_len"],
-            "final_loss": round(s.summary["final_loss"], 4),
+            "phase": s.summary.phase,
+            "steps": s.summary.steps,
+            "tokens": s.summary.tokens,
+            "seq_len": s.summary.seq_len,
+            "final_loss": round(s.summary.final_loss, 4),
             "seconds": s.seconds,
             "cached": s.cached,
         }
         for s in phases
     ]
-    per_phase = {s.summary["phase"]: step_metrics(run_dir, s.name) for s in phases}
+    per_phase = {s.summary.phase: step_metrics(run_dir, s.name) for s in phases}
     lines = ["# Pretraining", "", *pretraining_table(per_phase)]
     path = run_dir / "reports" / "pretrain.md"
     path.parent.mkdir(parents=True, exist_ok=True)

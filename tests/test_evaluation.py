@@ -17,6 +17,7 @@ from flows.graph import build_graph
 from infra.errors import StepLocked
 from infra.recipe import EvalCfg, load_recipe, parse_recipe
 from infra.steps import Step, finished, run_step
+from infra.summaries import ChatDataSummary, HeldoutEval, PhaseSummary, Summary, TrainedSummary
 from model.checkpoint import CheckpointStore, mark_evaluated
 from tasks.evaluation.harness import EvalJob, EvalWorker, prepare_tasks
 from tasks.evaluation.report import build_report, phase_ends
@@ -252,7 +253,7 @@ def test_step_lock_refuses_a_second_builder_and_survives_a_dead_one(tmp_path):
         holder.kill()
         holder.wait()
     out = run_step(tmp_path, Step("train", "test", lambda cfg, inputs, out: built.append(out) or {"ok": True}, EvalCfg()), {})
-    assert out.summary == {"ok": True} and len(built) == 1 and not lock.exists()
+    assert out.summary.model_dump() == {"ok": True} and len(built) == 1 and not lock.exists()
 
 
 def test_the_eval_follower_waits_for_a_model_claimed_elsewhere_without_spinning_and_leaves_it_when_stopped(tmp_path, heldout):
@@ -364,31 +365,23 @@ def test_report_card_from_a_run_dir(tmp_path):
             for s in range(1, 6)
         )
     )
-    (stage / "manifest.json").write_text(
-        json.dumps(
-            {
-                "name": "pretrain_phase1",
-                "step_id": "x",
-                "fingerprint": "f",
-                "seconds": 12.0,
-                "summary": {"phase": "phase1", "steps": 5, "tokens": 1280},
-            }
-        )
-    )
-    (run / "sft").mkdir()
-    sft_eval = {"accuracy": 0.25, "mean_answer_tokens": 20.0, "by_family": {"arithmetic": 0.5, "word_problem": 0.0}}
-    ladder = {"eval_before": {"accuracy": 0.0, "mean_answer_tokens": 40.0}, "eval": sft_eval}
-    (run / "sft" / "manifest.json").write_text(
-        json.dumps({"name": "sft", "step_id": "y", "fingerprint": "g", "seconds": 30.0, "summary": ladder})
-    )
-    apo_eval = {"accuracy": 0.2, "mean_answer_tokens": 19.0, "by_family": {"arithmetic": 0.4, "word_problem": 0.0}}
-    (run / "apo").mkdir()
-    (run / "apo" / "manifest.json").write_text(
-        json.dumps({"name": "apo", "step_id": "w", "fingerprint": "i", "seconds": 9.0, "summary": {"eval": apo_eval}})
-    )
-    (run / "chat_data").mkdir()
-    chats = {"name": "chat_data", "step_id": "z", "fingerprint": "h", "seconds": 1.0, "summary": {"train": 90, "sign_slips": 7}}
-    (run / "chat_data" / "manifest.json").write_text(json.dumps(chats))
+
+    def manifest(name: str, summary: Summary, seconds: float) -> None:
+        (run / name).mkdir(exist_ok=True)
+        record = {"name": name, "step_id": name[:3], "fingerprint": name, "seconds": seconds}
+        record |= {"summary": summary.model_dump(mode="json"), "summary_schema": summary.schema_name()}
+        (run / name / "manifest.json").write_text(json.dumps(record))
+
+    def heldout(accuracy: float, tokens: float, by_family: dict[str, float]) -> HeldoutEval:
+        return HeldoutEval(items=20, accuracy=accuracy, mean_answer_tokens=tokens, answered=1.0, by_family=by_family, examples=[])
+
+    phase = {"phase": "phase1", "steps": 5, "tokens": 1280, "seq_len": 256, "final_loss": 5.5, "stopped_early": False}
+    manifest("pretrain_phase1", PhaseSummary(**phase, dropped_steps=[], failed_uploads=[], checkpoint_seconds=0.1), 12.0)
+    sft_eval = heldout(0.25, 20.0, {"arithmetic": 0.5, "word_problem": 0.0})
+    manifest("sft", TrainedSummary(eval=sft_eval, eval_before=heldout(0.0, 40.0, {})), 30.0)
+    manifest("apo", TrainedSummary(eval=heldout(0.2, 19.0, {"arithmetic": 0.4, "word_problem": 0.0})), 9.0)
+    counts = {"generated": 100, "contaminated": 0, "duplicates": 0, "train": 90, "heldout": 10, "sign_slips": 7}
+    manifest("chat_data", ChatDataSummary(**counts, families={}, mixture_shortfalls=[]), 1.0)
     graph = build_graph(recipe)
     models = models_in_run(run, graph.steps)
     assert [(m.label, m.tokens) for m in models] == [("phase1/step00000005", 1280)]
@@ -405,7 +398,7 @@ def test_report_card_from_a_run_dir(tmp_path):
     # what the eval plots draw: the point with its stderr, the chance line, the end of phase1
     cf = next(r for r in card.eval_rows if r["task"] == "smol_arithmetic_cf")
     assert (cf["value"], cf["stderr"], cf["chance"], cf["tokens"]) == (0.3, 0.04, 0.25, 1280)
-    assert phase_ends([finished(run, "pretrain_phase1")]) == [("phase1", 1280)]
+    assert phase_ends([finished(run, graph.phases[0])]) == [("phase1", 1280)]
     assert "| phase1/step00000005 | 0.300 | 2.500 |" in text
     assert "| sft | 25.0% | arithmetic 50.0%, word_problem 0.0% |  | 20.0 |" in text  # per family, as the card shows it
     assert "drop the minus sign of 7 negative answers" in text  # a planted teacher flaw is said beside the ladder

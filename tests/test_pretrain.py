@@ -452,7 +452,7 @@ def test_a_phase_killed_on_two_ranks_resumes_on_one(tmp_path):
     assert status.state == "resume", "only an operational value changed: same identity, the partial build resumes"
     build(one.phases[0])
     done = run_dir / phase1.name
-    assert outputs[phase1.name].summary["steps"] == 31 and not (run_dir / ".partial" / phase1.name).exists()
+    assert outputs[phase1.name].summary.steps == 31 and not (run_dir / ".partial" / phase1.name).exists()
     assert [p.name for p in (run_dir / "steps").glob(f"{phase1.name}-*")] == [done.resolve().name], "one version, resumed"
     assert (done / "checkpoints" / ".universal" / saved["tag"]).is_dir(), "the 2-rank ZeRO shards were re-split for 1 rank"
     lines = [json.loads(line) for line in (done / "metrics.jsonl").read_text().splitlines()]

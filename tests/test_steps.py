@@ -10,8 +10,9 @@ import pytest
 
 from infra.errors import SmolflowError, UpstreamMissing
 from infra.recipe import Strict, operational
-from infra.steps import MANIFEST, PARTIAL, STEPS, Run, Step, identity, require, run_step, statuses, step_id
-from tests.helpers import micro_recipe, write_recipe
+from infra.steps import MANIFEST, PARTIAL, STEPS, Run, Step, SummaryMismatch, finished, identity, require, run_step, statuses, step_id
+from infra.summaries import Closed, PhaseSummary, read_summary
+from tests.helpers import REPO, micro_recipe, write_recipe
 
 
 class Cfg(Strict):
@@ -254,3 +255,63 @@ def test_an_ablation_run_of_the_old_layout_keeps_its_shared_steps(tmp_path):
     Run.open(str(tmp_path / "r.yaml"), str(run))
     assert (run / STEPS).readlink() == Path("../steps") and (run / "a").readlink() == Path(STEPS) / first.folder
     assert (run / "a" / "data.txt").read_text() == "shared" and run_step(run, step("a", calls, "shared"), {}).cached and calls == ["a"]
+
+
+# --- typed summaries --------------------------------------------------------------------------
+
+
+class Counted(Closed):
+    docs: int
+
+
+def counted(name: str, calls: list, returns) -> Step:
+    """A step that declares its summary model (Counted) and returns RETURNS."""
+
+    def build(cfg, inputs, out: Path) -> Counted:
+        calls.append(name)
+        (out / "data.txt").write_text("x")
+        return returns
+
+    return Step(name, "test", build, Cfg(), {})
+
+
+def test_a_summary_is_checked_against_the_model_its_function_declares_before_the_commit(tmp_path):
+    calls: list = []
+    with pytest.raises(SummaryMismatch, match=r"(?s)step a: its summary does not match Counted/1.*docs"):
+        run_step(tmp_path, counted("a", calls, {"documents": 3}), {})  # a renamed key
+    assert calls == ["a"] and not (tmp_path / "a").exists(), "nothing committed"
+    out = run_step(tmp_path, counted("b", calls, Counted(docs=3)), {})
+    assert isinstance(out.summary, Counted) and out.summary.docs == 3
+    manifest = json.loads((tmp_path / "b" / MANIFEST).read_text())
+    assert manifest["summary_schema"] == "Counted/1" and manifest["summary"] == {"docs": 3}
+    again = run_step(tmp_path, counted("b", calls, None), {})
+    assert again.cached and isinstance(again.summary, Counted) and again.summary.docs == 3, "read back as the model it was written with"
+
+
+def test_a_manifest_from_a_newer_schema_is_refused_and_one_from_before_schemas_reads_as_its_model(tmp_path):
+    calls: list = []
+    run_step(tmp_path, counted("b", calls, Counted(docs=3)), {})
+    path = tmp_path / "b" / MANIFEST
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps(manifest | {"summary_schema": "Counted/2"}))
+    with pytest.raises(ValueError, match=r"manifest.json: summary schema Counted/2 is unknown to this code \(Counted/1\)"):
+        finished(tmp_path, counted("b", calls, None))
+    legacy = {k: v for k, v in manifest.items() if k != "summary_schema"}
+    path.write_text(json.dumps(legacy))
+    out = finished(tmp_path, counted("b", calls, None))
+    assert isinstance(out.summary, Counted) and out.summary.docs == 3
+    # a pre-schema phase manifest read without its step: the one declared model that accepts it
+    phase = {"phase": "p1", "steps": 3, "tokens": 96, "seq_len": 32, "final_loss": 4.0, "stopped_early": False}
+    phase |= {"dropped_steps": [], "failed_uploads": [], "checkpoint_seconds": None}
+    assert isinstance(read_summary(phase, None, "m"), PhaseSummary)
+    with pytest.raises(ValueError):
+        read_summary({k: v for k, v in phase.items() if k != "phase"}, "PhaseSummary/1", "m")  # a missing field fails where it is read
+
+
+def test_every_step_of_the_pipeline_declares_a_closed_summary_model():
+    from flows.graph import build_graph
+    from infra.recipe import load_recipe
+
+    graph = build_graph(load_recipe(REPO / "configs" / "tiny.yaml"))
+    open_ones = [s.name for s in graph.steps if not issubclass(s.summary_type, Closed)]
+    assert not open_ones, f"steps whose function names no summary model: {open_ones}"

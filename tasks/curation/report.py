@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.steps import StepOutput
+from infra.summaries import MixturesSummary
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
@@ -38,20 +39,8 @@ def examples(folder: Path, limit: int, chars: int = 160) -> list[str]:
     return found
 
 
-def mixture_rows(mixtures: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        {
-            "phase": phase["name"],
-            "source": source,
-            "weight": row["weight"],
-            "tokens": row["tokens"],
-            "available": row["available"],
-            "epochs": row["epochs"],
-            "cumulative_epochs": row["cumulative_epochs"],
-        }
-        for phase in mixtures["phases"]
-        for source, row in phase["sources"].items()
-    ]
+def mixture_rows(mixtures: MixturesSummary) -> list[dict[str, Any]]:
+    return [{"phase": p.name, "source": source, **row.model_dump()} for p in mixtures.phases for source, row in p.sources.items()]
 
 
 def curation_report(
@@ -73,39 +62,38 @@ def curation_report(
     out.append(
         _table(
             ["source", "files", "documents", "malformed records"],
-            [[n, s["files"], s["docs"], s["malformed"]] for n, s in ingest["sources"].items()],
+            [[n, s.files, s.docs, s.malformed] for n, s in ingest.sources.items()],
         )
     )
-    for name, s in ingest["sources"].items():
-        for err in s["errors"]:
+    for name, s in ingest.sources.items():
+        for err in s.errors:
             where = f"{err['file']}:{err['line']}" if err["line"] else err["file"]
             out.append(f"- {name}: `{where}`: {err['error']}")
     out.append("")
 
     out += ["## Quality filters", ""]
-    for name, s in filt["sources"].items():
-        out.append(f"### {name}: {s['docs_in']:,} in, {s['docs_out']:,} out")
-        rows = [[f, r["total"], ", ".join(f"{k}: {v:,}" for k, v in r["reasons"].items())] for f, r in s["removed"].items()]
+    for name, s in filt.sources.items():
+        out.append(f"### {name}: {s.docs_in:,} in, {s.docs_out:,} out")
+        rows = [[f, r.total, ", ".join(f"{k}: {v:,}" for k, v in r.reasons.items())] for f, r in s.removed.items()]
         out += ["", _table(["quality filter", "removed", "reasons"], rows), ""]
-        for f in s["removed"]:
+        for f in s.removed:
             for ex in examples(filtered.path / "removed" / name / f, examples_per_filter):
                 out.append(f"- {f}: {ex}")
         out.append("")
 
     out += ["## Deduplication", ""]
-    rows = [[k, n, f"{dedup['rates'][k]:.2%}"] for k, n in dedup["removed"].items()]
-    out += [f"{dedup['docs_in']:,} documents in.", "", _table(["stage", "removed", "rate"], rows), ""]
-    for k in dedup["removed"]:
+    rows = [[k, n, f"{dedup.rates[k]:.2%}"] for k, n in dedup.removed.items()]
+    out += [f"{dedup.docs_in:,} documents in.", "", _table(["stage", "removed", "rate"], rows), ""]
+    for k in dedup.removed:
         out += [f"- {k}: {ex}" for ex in examples(deduped.path / "removed" / k, examples_per_filter)]
-    if dedup.get("seconds"):  # older runs' summaries lack it
-        out += ["", "Wall time per datatrove stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in dedup["seconds"].items()) + "."]
+    if dedup.seconds:  # a disabled dedup times nothing
+        out += ["", "Wall time per datatrove stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in dedup.seconds.items()) + "."]
     out.append("")
 
     out += ["## Decontamination", ""]
-    short_hits = decont.get("hits_short", {})
     rows = [
-        [task, v["items"], v["ngrams"], v["short_items"], decont["hits"].get(task, 0), short_hits.get(task, 0)]
-        for task, v in decont["indexed_ngrams"].items()
+        [task, v["items"], v["ngrams"], v["short_items"], decont.hits.get(task, 0), decont.hits_short.get(task, 0)]
+        for task, v in decont.indexed_ngrams.items()
     ]
     head = ["eval set", "items", "n-grams indexed", "items shorter than n (exact match)", "documents removed", "of them by a short item"]
     out += [_table(head, rows), ""]
@@ -113,7 +101,7 @@ def curation_report(
     out.append("")
 
     out += ["## Tokens per source", ""]
-    out.append(_table(["source", "documents", "tokens"], [[n, s["docs"], s["tokens"]] for n, s in tokens["sources"].items()]))
+    out.append(_table(["source", "documents", "tokens"], [[n, s.docs, s.tokens] for n, s in tokens.sources.items()]))
     out += ["", "## Mixtures", ""]
     out.append(
         _table(
@@ -132,7 +120,7 @@ def curation_report(
             ],
         )
     )
-    out += [""] + [f"- ⚠️ {w}" for w in mixtures["warnings"]]
+    out += [""] + [f"- ⚠️ {w}" for w in mixtures.warnings]
 
     out += ["", "## Steps", ""]
     out.append(

@@ -22,6 +22,7 @@ from typing import Any
 
 from infra.steps import Step, StepOutput, finished
 from infra.storage import write_json_atomic
+from infra.summaries import PhaseSummary, TrainedSummary
 from tasks.common import run_logger
 from tasks.evaluation.report import step_metrics
 from tasks.evaluation.results import ResultStore, local_fingerprint, main_metric, stderr_of
@@ -71,7 +72,7 @@ def _models(run: AblationRunDir) -> dict[str, tuple[str, StepOutput]]:
     """label -> (content fingerprint, step output) of each finished model of the run."""
     out = {}
     for step in run.steps:
-        if step.model and (o := finished(run.run_dir, step.name)) and o.final.is_dir():
+        if step.model and (o := finished(run.run_dir, step)) and o.final.is_dir():
             out[step.model] = (local_fingerprint(o.final), o)
     return out
 
@@ -88,8 +89,8 @@ def _rows(runs: list[AblationRunDir]) -> tuple[list[Row], list[str]]:
             if label in identical:
                 continue
             fp, output = models[run.name][label]
-            if "eval" in output.summary:
-                p, n = output.summary["eval"]["accuracy"], output.summary["eval"].get("items")
+            if isinstance(output.summary, TrainedSummary):
+                p, n = output.summary.eval.accuracy, output.summary.eval.items
                 se = _binomial_stderr(p, n) if n else None
                 rows.setdefault((label, "held-out", "accuracy"), Row(label, "held-out", "accuracy")).scores[run.variant].append(
                     Score(p, se)
@@ -148,9 +149,11 @@ def _curves(run: AblationRunDir, step: Step, output: StepOutput | None) -> tuple
         return "", []
     if step.checkpoints:
         return "loss vs tokens", [(m["tokens"], m["loss"]) for m in step_metrics(run.run_dir, step.name)]
-    for key in ("loss", "reward"):
-        if output.summary.get(key):
-            return f"{key} vs step", [tuple(x) for x in output.summary[key]]
+    s = output.summary
+    if isinstance(s, TrainedSummary):
+        for key, curve in (("loss", s.loss), ("reward", s.reward)):
+            if curve:
+                return f"{key} vs step", list(curve)
     return "", []
 
 
@@ -158,7 +161,7 @@ Done = dict[str, dict[str, StepOutput]]  # run name -> step name -> its finished
 
 
 def _finished(runs: list[AblationRunDir]) -> Done:
-    return {r.name: {s.name: o for s in r.steps if (o := finished(r.run_dir, s.name))} for r in runs}
+    return {r.name: {s.name: o for s in r.steps if (o := finished(r.run_dir, s))} for r in runs}
 
 
 def _cost(runs: list[AblationRunDir], done: Done) -> tuple[list[dict[str, Any]], float, float]:
@@ -173,7 +176,7 @@ def _cost(runs: list[AblationRunDir], done: Done) -> tuple[list[dict[str, Any]],
                 continue
             seconds += out.seconds
             distinct[out.step_id] = out.seconds
-            tokens += out.summary.get("tokens", 0) if step.checkpoints else 0
+            tokens += out.summary.tokens if isinstance(out.summary, PhaseSummary) else 0
             shared += out.seconds if users[out.step_id] > 1 else 0
         rows.append(
             {

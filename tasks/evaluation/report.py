@@ -16,6 +16,7 @@ from statistics import median
 from typing import Any
 
 from infra.steps import Step, StepOutput, finished
+from infra.summaries import ChatDataSummary, CurationSummary, HeldoutEval, PhaseSummary, TrainedSummary
 from postrain.data import sign_slips_note
 from tasks.evaluation.results import made_by, main_metric, stderr_of
 
@@ -37,17 +38,18 @@ def build_report(run_dir: Path, name: str, graph: list[Step]) -> Card:
     plots_dir = out / "plots"
     plots_dir.mkdir(parents=True, exist_ok=True)
     card = Card(path=out / "card.md", markdown="")
-    steps = {s.name: o for s in graph if (o := finished(run_dir, s.name))}
+    steps = {s.name: o for s in graph if (o := finished(run_dir, s))}
     evals = _eval_records(run_dir, graph)
     order = [s.checkpoints for s in graph if s.checkpoints] + [s.model for s in graph if s.model]
     lines = [f"# Report card: {name}", "", f"Run dir `{run_dir}`, built {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", ""]
     lines += _summary(graph, steps, evals)
-    lines += _curation([s for s in graph if s.stage == graph[0].stage], steps)
+    lines += _curation([s for s in graph if issubclass(s.summary_type, CurationSummary)], steps)
     lines += _pretraining(run_dir, [s for s in graph if s.checkpoints], plots_dir, card)
     lines += _evaluations(evals, order, phase_ends([steps[s.name] for s in graph if s.checkpoints and s.name in steps]), plots_dir, card)
-    slips = sum(o.summary.get("sign_slips", 0) for o in steps.values())
+    chats = [o.summary for o in steps.values() if isinstance(o.summary, ChatDataSummary)]
+    slips = sum(c.sign_slips for c in chats)
     notes = [sign_slips_note(slips)] if slips else []
-    notes += [f"**Chat data off the recipe's mix:** {line}" for o in steps.values() for line in o.summary.get("mixture_shortfalls", [])]
+    notes += [f"**Chat data off the recipe's mix:** {line}" for c in chats for line in c.mixture_shortfalls]
     lines += _post_training([(s.model, steps[s.name]) for s in graph if s.model and s.name in steps], evals, plots_dir, card, notes)
     lines += _wall_time(steps, plots_dir, card)
     card.markdown = "\n".join(lines) + "\n"
@@ -63,9 +65,9 @@ def phase_ends(phases: list[StepOutput]) -> list[tuple[str, int]]:
     ends, steps = [], 0
     for out in phases:
         s = out.summary
-        if s.get("steps"):
-            steps += s["steps"]
-            ends.append((s.get("phase", out.name), round(steps * s["tokens"] / s["steps"])))
+        if isinstance(s, PhaseSummary) and s.steps:
+            steps += s.steps
+            ends.append((s.phase, round(steps * s.tokens / s.steps)))
     return ends
 
 
@@ -88,21 +90,13 @@ def _summary(graph: list[Step], steps: dict[str, StepOutput], evals: list) -> li
     return [f"{done}, {total / 60:.1f} min of step time; {len(evals)} models evaluated.", ""]
 
 
-def _count(value: Any) -> str:
-    """A document count, or the sum of a per-source dict of them; blank when the step counts none."""
-    if isinstance(value, dict):
-        value = sum(v for v in value.values() if isinstance(v, int))
-    return f"{value:,}" if isinstance(value, int) and value else ""
-
-
 def _curation(curate: list[Step], steps: dict[str, StepOutput]) -> list[str]:
     rows = []
     for name in [c.name for c in curate if c.name in steps]:
         s = steps[name].summary
-        sources = {k: v for k, v in s.get("sources", {}).items() if isinstance(v, dict)}
-        docs_in = s.get("docs_in", sum(v.get("docs_in", 0) for v in sources.values()) or "")
-        docs_out = s.get("docs_out", s.get("docs", sum(v.get("docs_out", v.get("docs", 0)) for v in sources.values()) or ""))
-        rows.append(f"| {name} | {_count(docs_in)} | {_count(docs_out)} | {steps[name].seconds:.0f} |")
+        docs_in, docs_out = s.documents() if isinstance(s, CurationSummary) else (None, None)
+        counts = " | ".join(f"{n:,}" if n else "" for n in (docs_in, docs_out))
+        rows.append(f"| {name} | {counts} | {steps[name].seconds:.0f} |")
     if not rows:
         return ["## Curation", "", "_not run yet_", ""]
     return ["## Curation", "", "| step | documents in | documents out | seconds |", "|---|---|---|---|", *rows, ""]
@@ -208,36 +202,38 @@ def _evaluations(evals: list, order: list[str], boundaries: list[tuple[str, int]
     ]
 
 
-def ladder(models: list[tuple[str, StepOutput]]) -> list[tuple[str, dict]]:
+def ladder(models: list[tuple[str, StepOutput]]) -> list[tuple[str, HeldoutEval]]:
     """(label, held-out eval) from the base model up: the first trained step also scored its starting point."""
-    rungs = []
+    rungs: list[tuple[str, HeldoutEval]] = []
     for label, out in models:
-        if not rungs and "eval_before" in out.summary:
-            rungs.append(("base", out.summary["eval_before"]))
-        if "eval" in out.summary:
-            rungs.append((label, out.summary["eval"]))
+        s = out.summary
+        if not isinstance(s, TrainedSummary):
+            continue  # the pretrained base: scored by the first trained step
+        if not rungs and s.eval_before is not None:
+            rungs.append(("base", s.eval_before))
+        rungs.append((label, s.eval))
     return rungs
 
 
-def falls(rungs: list[tuple[str, dict]]) -> str | None:
+def falls(rungs: list[tuple[str, HeldoutEval]]) -> str | None:
     """Each rung under the one below it, in words: a stage that costs accuracy must not hide in a table of figures."""
     under = [
-        f"{name} is {100 * (below['accuracy'] - e['accuracy']):.1f} points under {below_name}"
+        f"{name} is {100 * (below.accuracy - e.accuracy):.1f} points under {below_name}"
         for (below_name, below), (name, e) in zip(rungs, rungs[1:])
-        if e["accuracy"] < below["accuracy"]
+        if e.accuracy < below.accuracy
     ]
     return f"Held-out accuracy falls: {'; '.join(under)}." if under else None
 
 
-def ladder_table(rungs: list[tuple[str, dict]], generative: dict[str, float] | None = None) -> list[str]:
+def ladder_table(rungs: list[tuple[str, HeldoutEval]], generative: dict[str, float] | None = None) -> list[str]:
     """The post-training ladder as a table, the one renderer of it (report card, post-training report): held-out
     accuracy overall and by family, lm-eval's math exact match where scored (GENERATIVE), answer length; then any fall."""
     generative = generative or {}
     rows = ["| model | held-out accuracy | by family | lm-eval math | mean answer tokens |", "|---|---|---|---|---|"]
     for n, e in rungs:
-        family = ", ".join(f"{k} {v:.1%}" for k, v in e.get("by_family", {}).items())
+        family = ", ".join(f"{k} {v:.1%}" for k, v in e.by_family.items())
         math_em = f"{generative[n]:.1%}" if n in generative else ""
-        rows.append(f"| {n} | {e['accuracy']:.1%} | {family} | {math_em} | {e['mean_answer_tokens']:.1f} |")
+        rows.append(f"| {n} | {e.accuracy:.1%} | {family} | {math_em} | {e.mean_answer_tokens:.1f} |")
     if fell := falls(rungs):
         rows += ["", f"**{fell}**"]
     return rows
@@ -258,12 +254,12 @@ def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir:
             gen[record["model"]["label"]] = sum(scores) / len(scores)
     fig, (acc_ax, len_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
     names = [n for n, _ in rungs]
-    acc_ax.bar(names, [e["accuracy"] for _, e in rungs], label="held-out prompts")
+    acc_ax.bar(names, [e.accuracy for _, e in rungs], label="held-out prompts")
     if gen:
         acc_ax.plot([n for n in names if n in gen], [gen[n] for n in names if n in gen], "ko-", label="lm-eval math (exact match)")
     acc_ax.set(title="Accuracy", ylim=(0, 1))
     acc_ax.legend(fontsize=8)
-    len_ax.bar(names, [e["mean_answer_tokens"] for _, e in rungs])
+    len_ax.bar(names, [e.mean_answer_tokens for _, e in rungs])
     len_ax.set(title="Mean answer length (tokens)")
     path = _save(fig, plots_dir / "postrain.png", card)
     rows = ladder_table(rungs, gen)
