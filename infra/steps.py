@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, TypedDict, get_type_hints
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
@@ -109,6 +109,10 @@ def changed_keys(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, A
 Build = Callable[[Any, Mapping[str, "StepOutput"], Path], dict[str, Any]]
 
 
+class NoInputs(TypedDict):
+    """The inputs of a step with no upstream steps."""
+
+
 @dataclass(frozen=True, eq=False)
 class Step:
     """One unit of work: `fn(config, inputs, out_dir)` writes the outputs and returns its summary, an
@@ -138,11 +142,26 @@ class Step:
     def step_id(self, inputs: Mapping[str, StepOutput | str]) -> str:
         return step_id(self.name, identity(self.config), self.fingerprints(inputs))
 
+    def __post_init__(self) -> None:
+        """A function that types its `inputs` (a TypedDict of roles) is wired to exactly those roles: a role missing
+        or unknown fails where the graph is built, not when the step runs."""
+        hint = get_type_hints(self._function()).get("inputs")
+        if not hasattr(hint, "__required_keys__"):
+            return  # untyped inputs (a test's toy step)
+        required, optional, given = set(hint.__required_keys__), set(hint.__optional_keys__), set(self.deps)
+        if not required <= given <= required | optional:
+            raise ValueError(
+                f"step {self.name}: its inputs {sorted(given)} do not match the roles its function takes "
+                f"({hint.__name__}: {sorted(required)}, optional {sorted(optional)})"
+            )
+
+    def _function(self) -> Callable:
+        return self.fn.func if isinstance(self.fn, functools.partial) else self.fn
+
     @property
     def summary_type(self) -> type[Summary]:
         """The summary model the function's return type names; an open Summary where it names none."""
-        fn = self.fn.func if isinstance(self.fn, functools.partial) else self.fn
-        kind = get_type_hints(fn).get("return")
+        kind = get_type_hints(self._function()).get("return")
         return kind if isinstance(kind, type) and issubclass(kind, Summary) else Summary
 
 

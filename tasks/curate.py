@@ -8,9 +8,8 @@ by role (`docs`, `bpe`, `tokens`), never by step name.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
@@ -27,7 +26,7 @@ from infra.recipe import (
     TokenizerCfg,
     operational,
 )
-from infra.steps import StepOutput
+from infra.steps import NoInputs, StepOutput
 from infra.storage import fingerprint_files, fingerprint_url, write_json_atomic
 from infra.summaries import (
     CorpusSummary,
@@ -45,7 +44,28 @@ from tasks.curation.mixtures import MixturePhase, resolve_mixtures
 from tasks.curation.readers import DEFAULT_GLOBS
 from tasks.curation.report import curation_report, mixture_rows
 
-Inputs = Mapping[str, StepOutput]
+# each step's inputs by role (flows/graph.py wires them; a Step checks the wiring against these)
+
+
+class EmbeddedInputs(TypedDict, total=False):
+    embedded: StepOutput  # the corpus, when a source is embedded
+
+
+class Docs(TypedDict):
+    docs: StepOutput
+
+
+class MaybeDocs(TypedDict, total=False):
+    docs: StepOutput  # none when the recipe names a tokenizer
+
+
+class DocsAndTokenizer(TypedDict):
+    docs: StepOutput
+    bpe: StepOutput
+
+
+class Tokens(TypedDict):
+    tokens: StepOutput
 
 
 def eval_set_fingerprint(paths: list[str]) -> str:
@@ -77,7 +97,7 @@ def _max_bytes(cfg: CorpusStepCfg) -> int | None:
     return int(cfg.embedded.stdlib_max_mb * 2**20) if cfg.embedded.stdlib_max_mb else None
 
 
-def build_corpus(cfg: CorpusStepCfg, inputs: Inputs, out: Path) -> CorpusSummary:
+def build_corpus(cfg: CorpusStepCfg, inputs: NoInputs, out: Path) -> CorpusSummary:
     """The embedded corpus, built from the stdlib and generated math with no network."""
     e, root = cfg.embedded, corpus.stdlib_root()
     questions = corpus.read_eval_questions(cfg.eval_sets)
@@ -109,7 +129,7 @@ def source_files(cfg: IngestStepCfg) -> dict[str, str]:
     return fps
 
 
-def ingest(cfg: IngestStepCfg, inputs: Inputs, out: Path) -> IngestSummary:
+def ingest(cfg: IngestStepCfg, inputs: EmbeddedInputs, out: Path) -> IngestSummary:
     """Every raw source read into uniform JSONL; malformed records counted, never dropped silently."""
     paths = {s.name: str(inputs["embedded"].path / s.domain) if s.format == "embedded" else s.path for s in cfg.sources}
     summary = IngestSummary.model_validate(pipelines.ingest(cfg.sources, paths, cfg.executor, cfg.s3, cfg.strict, out))
@@ -123,7 +143,7 @@ class FilterStepCfg(Strict):
     executor: ExecutorCfg
 
 
-def filter_docs(cfg: FilterStepCfg, inputs: Inputs, out: Path) -> FilterSummary:
+def filter_docs(cfg: FilterStepCfg, inputs: Docs, out: Path) -> FilterSummary:
     summary = FilterSummary.model_validate(pipelines.filter_docs(cfg.filters, cfg.executor, inputs["docs"].path, out))
     sources = summary.sources
     for name, s in sources.items():
@@ -139,7 +159,7 @@ class DedupStepCfg(Strict):
     executor: ExecutorCfg
 
 
-def dedup(cfg: DedupStepCfg, inputs: Inputs, out: Path) -> DedupSummary:
+def dedup(cfg: DedupStepCfg, inputs: Docs, out: Path) -> DedupSummary:
     summary = DedupSummary.model_validate(pipelines.dedup(cfg.dedup, cfg.executor, inputs["docs"].path, out))
     run_logger().info("dedup: %d in, removed %s", summary.docs_in, summary.removed)
     return summary
@@ -150,7 +170,7 @@ class DecontaminateStepCfg(Strict):
     executor: ExecutorCfg
 
 
-def decontaminate(cfg: DecontaminateStepCfg, inputs: Inputs, out: Path) -> DecontaminateSummary:
+def decontaminate(cfg: DecontaminateStepCfg, inputs: Docs, out: Path) -> DecontaminateSummary:
     docs = inputs["docs"].path
     if cfg.decontaminate.enabled:
         summary = DecontaminateSummary.model_validate(pipelines.decontaminate(cfg.decontaminate, cfg.executor, docs, out))
@@ -170,7 +190,7 @@ def tokenizer_file(cfg: TokenizerStepCfg) -> dict[str, str]:
     return {"tokenizer_json": fingerprint_files([("tokenizer.json", Path(path))])} if path else {}
 
 
-def train_tokenizer(cfg: TokenizerStepCfg, inputs: Inputs, out: Path) -> TokenizerSummary:
+def train_tokenizer(cfg: TokenizerStepCfg, inputs: MaybeDocs, out: Path) -> TokenizerSummary:
     """Train a byte-level BPE on the curated text, or copy the tokenizer the recipe names."""
     if cfg.tokenizer.path:
         tokenizer.copy_existing(cfg.tokenizer.path, out)
@@ -189,7 +209,7 @@ class TokenizeStepCfg(Strict):
     executor: ExecutorCfg
 
 
-def tokenize(cfg: TokenizeStepCfg, inputs: Inputs, out: Path) -> TokenizeSummary:
+def tokenize(cfg: TokenizeStepCfg, inputs: DocsAndTokenizer, out: Path) -> TokenizeSummary:
     bpe = inputs["bpe"].path / "tokenizer.json"
     summary = TokenizeSummary.model_validate(
         pipelines.tokenize(cfg.sources, cfg.executor, cfg.seed, cfg.heldout_fraction, inputs["docs"].path, bpe, out)
@@ -204,7 +224,7 @@ class MixturesStepCfg(Strict):
     max_epochs: float
 
 
-def mixtures(cfg: MixturesStepCfg, inputs: Inputs, out: Path) -> MixturesSummary:
+def mixtures(cfg: MixturesStepCfg, inputs: Tokens, out: Path) -> MixturesSummary:
     available = {name: s.tokens for name, s in inputs["tokens"].summary.sources.items()}
     manifest = MixturesSummary.model_validate(resolve_mixtures(cfg.phases, cfg.max_epochs, available))
     write_json_atomic(out / "mixtures.json", manifest.model_dump(mode="json"))

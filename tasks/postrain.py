@@ -15,6 +15,7 @@ import json
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TypedDict
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import create_model
@@ -22,7 +23,7 @@ from pydantic import create_model
 from infra.errors import TrainerFailed
 from infra.launch import accelerate_command, free_port, launch_env, run_streaming
 from infra.recipe import AccelerateCfg, ChatDataCfg, GenerationCfg, PreferenceCfg, Recipe, Strict, TrainerCfg
-from infra.steps import FINAL, Step, StepOutput
+from infra.steps import FINAL, NoInputs, Step, StepOutput
 from infra.storage import write_json_atomic
 from infra.summaries import ChatDataSummary, HeldoutEval, PreferenceSummary, TrainedSummary
 from postrain import data as chat
@@ -37,6 +38,23 @@ from tasks.curation.corpus import read_eval_questions
 from tasks.evaluation.report import falls, ladder, ladder_table
 
 Inputs = Mapping[str, StepOutput]
+
+
+class PreferenceInputs(TypedDict):
+    chats: StepOutput
+    policy: StepOutput  # the SFT model: its final and early ("weak") copies answer
+
+
+class ChatsInput(TypedDict):
+    chats: StepOutput  # chat_data: the held-out prompts every trained model is scored on
+
+
+class TrainedInputs(ChatsInput, total=False):
+    base: StepOutput  # a model to start from (`start`), as the pretrained base for SFT
+    policy: StepOutput  # or the post-trained model before
+    pairs: StepOutput  # the preference pairs APO trains on (`data`)
+
+
 # the files the data steps leave, declared once: chat_data's training and held-out chats, preference's pairs
 TRAIN, HELDOUT, PAIRS = "train.jsonl", "heldout.jsonl", "pairs.jsonl"
 DATA = {"chats": TRAIN, "pairs": PAIRS}  # what a trainer reads from an input of that role
@@ -64,7 +82,7 @@ def eval_sets(cfg: ChatDataStepCfg) -> dict[str, str]:
     return {"eval_sets": eval_set_fingerprint(cfg.eval_sets)}
 
 
-def chat_data(cfg: ChatDataStepCfg, inputs: Inputs, out: Path) -> ChatDataSummary:
+def chat_data(cfg: ChatDataStepCfg, inputs: NoInputs, out: Path) -> ChatDataSummary:
     d = cfg.data
     items = chat.generate(d.generated + d.heldout, d.families, d.max_value, cfg.seed, d.operators)
     for hub in d.hub:
@@ -130,6 +148,8 @@ def trained(
     """The step that trains the recipe's STAGE trainer (the `postrain.STAGE` section, a TrainerCfg registered in
     infra/recipe.py): from the model of input START, on the file input DATA holds (`DATA`); it scores the model on
     the held-out prompts (with SCORE_START, the starting model too) and leaves it in `final/`, labelled STAGE."""
+    if not {start, data} <= set(deps):
+        raise ValueError(f"step {stage}: starts from input {start!r} and trains on {data!r}, but its inputs are {sorted(deps)}")
     section = getattr(recipe.postrain, stage)
     cfg_type = create_model(f"{stage.upper()}StepCfg", __base__=TrainedStepCfg, **{stage: (type(section), ...)})
     seed = recipe.seed if section.seed is None else section.seed
@@ -138,7 +158,9 @@ def trained(
     return Step(stage, stage, fn, config, deps, model=stage)
 
 
-def train_step(cfg: TrainedStepCfg, inputs: Inputs, out: Path, stage: str, data: str, start: str, score_start: bool) -> TrainedSummary:
+def train_step(
+    cfg: TrainedStepCfg, inputs: TrainedInputs, out: Path, stage: str, data: str, start: str, score_start: bool
+) -> TrainedSummary:
     model, chats = inputs[start].final, inputs["chats"]
     before = {}
     if score_start:
@@ -152,7 +174,7 @@ class PreferenceStepCfg(Strict):
     preference: PreferenceCfg
 
 
-def preference(cfg: PreferenceStepCfg, inputs: Inputs, out: Path) -> PreferenceSummary:
+def preference(cfg: PreferenceStepCfg, inputs: PreferenceInputs, out: Path) -> PreferenceSummary:
     """Strong vs weak answers; unset strong/weak mean the SFT model and its early copy (the `policy` input)."""
     p, policy = cfg.preference, inputs["policy"].path
     items = chat.read_jsonl(inputs["chats"].path / TRAIN)[: p.prompts]

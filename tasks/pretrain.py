@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 from prefect.artifacts import create_table_artifact
 
@@ -143,9 +144,18 @@ def run_peak_flops(run_dir: Path, threads: int, phase: str) -> float:
     return probes[str(threads)]["flops_per_rank"]
 
 
-def train_phase(cfg: PhaseStepCfg, inputs: Mapping[str, StepOutput], out: Path) -> PhaseSummary:
-    """Launch the trainer on the phase's job; inputs: `tokens` (tokenize), `bpe` (tokenizer), `budget`
-    (mixtures: the data holds what the phase draws) and, after the first phase, `previous`."""
+class PhaseData(TypedDict):
+    tokens: StepOutput  # tokenize
+    bpe: StepOutput  # tokenizer
+    budget: StepOutput  # mixtures: the data holds what the phase draws
+
+
+class PhaseInputs(PhaseData, total=False):
+    previous: StepOutput  # the phase before, for every phase but the first
+
+
+def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSummary:
+    """Launch the trainer on the phase's job (its roles: PhaseInputs)."""
     t, previous, log = cfg.train, inputs.get("previous"), run_logger()
     run_dir = inputs["tokens"].path.parent  # inputs are linked from the run: RUN/NAME
     init_from = init_remote = None

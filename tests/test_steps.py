@@ -315,3 +315,17 @@ def test_every_step_of_the_pipeline_declares_a_closed_summary_model():
     graph = build_graph(load_recipe(REPO / "configs" / "tiny.yaml"))
     open_ones = [s.name for s in graph.steps if not issubclass(s.summary_type, Closed)]
     assert not open_ones, f"steps whose function names no summary model: {open_ones}"
+
+
+def test_a_step_wired_to_roles_its_function_does_not_take_fails_where_the_graph_is_built():
+    from flows.graph import build_graph
+    from infra.recipe import load_recipe
+    from tasks import curate
+
+    graph = build_graph(load_recipe(REPO / "configs" / "tiny.yaml"))
+    docs = graph.curation["decontaminated"]
+    with pytest.raises(ValueError, match=r"step tokenize: its inputs \['docs'\] do not match .*DocsAndTokenizer: \['bpe', 'docs'\]"):
+        Step("tokenize", "curate", curate.tokenize, Cfg(), {"docs": docs})
+    with pytest.raises(ValueError, match=r"step dedup: its inputs \['docs', 'extra'\]"):
+        Step("dedup", "curate", curate.dedup, Cfg(), {"docs": docs, "extra": docs})
+    assert Step("tokenizer", "curate", curate.train_tokenizer, Cfg(), {}).deps == {}, "an optional role may be left out"
