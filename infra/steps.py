@@ -61,7 +61,8 @@ RUNS = "runs"  # MIRROR/runs/RUN/recipe.json: each run's frozen recipe beside th
 _OWNER_FILE = ".recipe_owner"  # the flow run that froze recipe.json: its retries and relaunches read it as is
 # Folders of a step that are neither fingerprinted nor mirrored with it: logs change from run to
 # run, and checkpoints are mirrored as they are written (model/checkpoint.py).
-UNTRACKED_DIRS = ("logs", "checkpoints")
+CHECKPOINTS = "checkpoints"  # STEP/checkpoints: a trainer's saved states (and on the mirror: NAME-ID/checkpoints)
+UNTRACKED_DIRS = ("logs", CHECKPOINTS)
 log = logging.getLogger(__name__)
 
 
@@ -182,6 +183,11 @@ class StepOutput:
     def final(self) -> Path:
         """The HF model the step left, for steps with a `model` label."""
         return self.path / FINAL
+
+    @property
+    def checkpoints(self) -> Path:
+        """The trainer checkpoints the step left, for steps that train."""
+        return self.path / CHECKPOINTS
 
     @property
     def folder(self) -> str:

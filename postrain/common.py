@@ -15,7 +15,7 @@ from typing import Any
 
 from infra.errors import SmolflowError
 from infra.recipe import TrainerCfg
-from infra.steps import FINAL
+from infra.steps import CHECKPOINTS, FINAL
 from postrain.data import extract_answer, is_correct
 from postrain.generation import Backend, stop_token_ids
 
@@ -32,7 +32,7 @@ def trl_args(config_cls, cfg: TrainerCfg, out: Path, seed: int, **extra: Any):
     if cfg.batch_size % ranks:
         raise ValueError(f"batch_size {cfg.batch_size} does not split over {ranks} ranks")
     return config_cls(
-        output_dir=str(out / "checkpoints"),
+        output_dir=str(out / CHECKPOINTS),
         max_steps=cfg.max_steps,
         per_device_train_batch_size=cfg.batch_size // ranks,
         gradient_accumulation_steps=cfg.grad_accum,
@@ -187,7 +187,7 @@ def cpu_lm_head() -> None:
 def train_and_save(trainer, out: Path, curves: dict[str, str]) -> dict[str, Any]:
     """Train from the newest complete checkpoint in `out` (if any), save `out/final`, return the logged curves."""
     cpu_lm_head()
-    resume = last_complete_checkpoint(out / "checkpoints")
+    resume = last_complete_checkpoint(out / CHECKPOINTS)
     state = json.loads((Path(resume) / "trainer_state.json").read_text()) if resume else {}
     if resume:
         check_resumable(resume)

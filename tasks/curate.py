@@ -149,7 +149,8 @@ def filter_docs(cfg: FilterStepCfg, inputs: Docs, out: Path) -> FilterSummary:
     for name, s in sources.items():
         run_logger().info("filter %s: %d in, %d out", name, s.docs_in, s.docs_out)
     if sum(s.docs_out for s in sources.values()) == 0:
-        counts = "; ".join(f"{n}: {s.docs_in} in, removed { ({k: r.total for k, r in s.removed.items()}) }" for n, s in sources.items())
+        removed = {n: {k: r.model_dump() for k, r in s.removed.items()} for n, s in sources.items()}
+        counts = "; ".join(f"{n}: {s.docs_in} in, removed {removed[n]}" for n, s in sources.items())
         raise DataError(f"every document was filtered out ({counts}); loosen curate.filters")
     return summary
 

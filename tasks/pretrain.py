@@ -23,13 +23,14 @@ from infra.errors import SmolflowError, TrainerFailed
 from infra.launch import free_port, launch_command, launch_env, run_streaming
 from infra.procs import OWNER_ENV, PREEMPTED
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
-from infra.steps import StepOutput
+from infra.steps import CHECKPOINTS, StepOutput
 from infra.storage import write_json_atomic
 from infra.summaries import PhaseSummary
 from model.config import Schedule, TrainConfig, TrainJob
 from tasks.card import write_card
 from tasks.common import run_logger, stage_task
 from tasks.curation.mixtures import MixturePhase, windows
+from tasks.curation.pipelines import DATA
 from tasks.evaluation.report import pretraining_table, step_metrics
 
 # Checkpoints kept beyond keep_last while the eval follower catches up (tasks/evaluate.py).
@@ -160,8 +161,8 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
     run_dir = inputs["tokens"].path.parent  # inputs are linked from the run: RUN/NAME
     init_from = init_remote = None
     if previous is not None:
-        init_from = str(previous.final if t.long_context else previous.path / "checkpoints")
-        init_remote = f"{previous.folder}/checkpoints"
+        init_from = str(previous.final if t.long_context else previous.checkpoints)
+        init_remote = f"{previous.folder}/{CHECKPOINTS}"
     import torch
 
     # a Slurm job probes on its own node, a GPU trainer its own device in the phase's precision
@@ -169,13 +170,13 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
         t = t.model_copy(update={"peak_flops": run_peak_flops(run_dir, thread_count(cfg.launcher.threads_per_rank), t.phase)})
     job = TrainJob(
         config=t,
-        sources={name: str(inputs["tokens"].path / "data" / name) for name in t.samples},
+        sources={name: str(inputs["tokens"].path / DATA / name) for name in t.samples},
         tokenizer_dir=str(inputs["bpe"].path),
         out_dir=str(out),
-        checkpoint_dir=str(out / "checkpoints"),
+        checkpoint_dir=str(out / CHECKPOINTS),
         init_from=init_from,
         init_remote=init_remote,
-        remote_name=f"{out.name}/checkpoints",  # the mirror holds the store's relative names: NAME-ID/checkpoints
+        remote_name=f"{out.name}/{CHECKPOINTS}",  # the mirror holds the store's relative names: NAME-ID/checkpoints
         mirror=cfg.storage.mirror,
         s3_endpoint=cfg.storage.s3.endpoint_url,
         s3_region=cfg.storage.s3.region,

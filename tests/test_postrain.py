@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from infra.recipe import APOCfg, GRPOCfg, ModelCfg, SFTCfg
+from infra.summaries import ChatDataSummary, HeldoutEval, TrainedSummary
 from model.network import build_model, model_config
 from postrain import data as chat
 from postrain.generation import TransformersBackend
@@ -124,16 +125,16 @@ def test_chat_data_says_when_dedup_leaves_a_family_short_of_the_recipes_share(tm
     from infra.recipe import ChatDataCfg
     from tasks.postrain import ChatDataStepCfg, chat_data
 
-    def summary(max_value: int) -> dict:
+    def summary(max_value: int) -> ChatDataSummary:
         data = ChatDataCfg(
             generated=1500, heldout=50, max_value=max_value, operators="+-", families={"arithmetic": 0.6, "word_problem": 0.4}
         )
         return chat_data(ChatDataStepCfg(data=data, eval_sets=[], seed=3), {}, tmp_path / str(max_value))
 
     small, wide = summary(9), summary(99)  # up to 9: 200 distinct arithmetic questions
-    assert small["families"]["arithmetic"] < 250 < wide["families"]["arithmetic"]
-    assert len(small["mixture_shortfalls"]) == 1 and small["mixture_shortfalls"][0].startswith("arithmetic: ")
-    assert "the recipe asks 60%" in small["mixture_shortfalls"][0] and wide["mixture_shortfalls"] == []
+    assert small.families["arithmetic"] < 250 < wide.families["arithmetic"]
+    assert len(small.mixture_shortfalls) == 1 and small.mixture_shortfalls[0].startswith("arithmetic: ")
+    assert "the recipe asks 60%" in small.mixture_shortfalls[0] and wide.mixture_shortfalls == []
     # hub chats are outside the recipe's families: they neither dilute a family nor stand for one
     families = {"arithmetic": 0.6, "word_problem": 0.4}
     assert chat.mixture_shortfalls({"arithmetic": 60, "word_problem": 40, "hub": 900}, families) == []
@@ -153,8 +154,8 @@ def test_sign_slips_flaw_only_training_solutions_never_heldout_or_the_verified_a
     (clean, train, heldout), (flawed, slipped, heldout_after) = run(0.0), run(0.6)
     negative = [i for i, item in enumerate(train) if item["answer"].startswith("-")]
     wrong = [i for i, item in enumerate(slipped) if not chat.is_correct(item["messages"][-1]["content"], item["answer"])]
-    assert clean["sign_slips"] == 0 and all(chat.is_correct(t["messages"][-1]["content"], t["answer"]) for t in train)
-    assert flawed["sign_slips"] == len(wrong) and 0.45 * len(negative) < len(wrong) < 0.75 * len(negative)
+    assert clean.sign_slips == 0 and all(chat.is_correct(t["messages"][-1]["content"], t["answer"]) for t in train)
+    assert flawed.sign_slips == len(wrong) and 0.45 * len(negative) < len(wrong) < 0.75 * len(negative)
     assert set(wrong) <= set(negative)  # only the sign is lost: the answer read back is the true one without its minus
     assert all(chat.extract_answer(slipped[i]["messages"][-1]["content"]) == train[i]["answer"][1:] for i in wrong)
     assert [t["answer"] for t in slipped] == [t["answer"] for t in train] and heldout_after == heldout
@@ -214,8 +215,10 @@ def test_publish_uploads_the_folder_with_its_card_and_later_evals_to_a_mock_hub(
     run = tmp_path / "run"
     shutil.copytree(base, run / "sft" / "final")
     (run / "sft" / "final" / "training_args.bin").write_bytes(b"pickle")
-    evaluation = {"accuracy": 0.5, "mean_answer_tokens": 12.0, "by_family": {"arithmetic": 0.5}}
-    manifest = {"name": "sft", "step_id": "s1", "config": {"sft": {"max_steps": 7}}, "summary": {"eval": evaluation}, "lineage": []}
+    evaluation = HeldoutEval(items=8, accuracy=0.5, mean_answer_tokens=12.0, answered=1.0, by_family={"arithmetic": 0.5}, examples=[])
+    summary = TrainedSummary(eval=evaluation)
+    manifest = {"name": "sft", "step_id": "s1", "config": {"sft": {"max_steps": 7}}, "lineage": []}
+    manifest |= {"summary": summary.model_dump(mode="json"), "summary_schema": summary.schema_name()}
     (run / "sft" / "manifest.json").write_text(json.dumps(manifest))
     folder = run / "sft" / "final"
     before = local_fingerprint(folder)
@@ -325,9 +328,9 @@ def test_the_preference_step_generates_its_pairs_with_vllm(vllm_sft, tmp_path):
     progress = [line for line in lines if line.startswith("vLLM: 40/40 answers")]
     assert len(progress) == 2, "each engine reports its progress in the step's log"  # strong, then weak
     pairs = chat.read_jsonl(tmp_path / "pairs.jsonl")
-    assert stats["backend"] == "vllm" and stats["prompts"] == 40 and stats["pairs"] == len(pairs) > 0
+    assert stats.backend == "vllm" and stats.prompts == 40 and stats.pairs == len(pairs) > 0
     assert all(chat.is_correct(p["chosen"][0]["content"], p["answer"]) for p in pairs)
-    assert stats["pairs"] + sum(stats["dropped"].values()) == 40
+    assert stats.pairs + sum(stats.dropped.values()) == 40
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from typing import Any
 
 from infra.locks import acquire
 from infra.recipe import EvalCfg, S3Cfg
-from infra.steps import FINAL, MANIFEST, Step, folder_step_id, identity, read_manifest, step_id
+from infra.steps import CHECKPOINTS, FINAL, MANIFEST, Step, folder_step_id, identity, read_manifest, step_id
 from infra.storage import file_digest, filesystem, with_retries
 from model.checkpoint import MARKER, is_complete
 
@@ -110,7 +110,7 @@ def models_in_run(run_dir: Path, steps: list[Step]) -> list[ModelRef]:
             continue
         for root in (run_dir / step.name, run_dir / ".partial" / step.name):
             sid = made_by(root)
-            for folder in sorted((root / "checkpoints").glob("step*")):
+            for folder in sorted((root / CHECKPOINTS).glob("step*")):
                 try:
                     if not ((folder / "hf").is_dir() and is_complete(folder)):
                         continue
@@ -155,7 +155,7 @@ def models_in_prefix(prefix: str, s3: S3Cfg | None, steps: list[Step]) -> tuple[
     for step in steps:
         if step.checkpoints is None:
             continue
-        markers = with_retries(f"list {prefix}", lambda step=step: fs.glob(f"{root}/{step.name}-*/checkpoints/step*/{MARKER}"))
+        markers = with_retries(f"list {prefix}", lambda step=step: fs.glob(f"{root}/{step.name}-*/{CHECKPOINTS}/step*/{MARKER}"))
         for marker_path in sorted(markers):
             folder = marker_path.rsplit("/", 1)[0]
             marker = _read_json(fs, marker_path)
