@@ -13,6 +13,8 @@ report, `smolflow eval`) reads any manifest without importing the stage that wro
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -197,6 +199,17 @@ class PreferenceSummary(Closed):
     weak_accuracy: float
 
 
+def item_id(value: Any) -> str:
+    """A stable id for an evaluation item from its content: the same prompt in two runs has the same id."""
+    return hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def outcomes(ids: list[str], num: list[float], den: list[float] | None = None) -> dict[str, list]:
+    """Each item's outcome as stored (manifests, result records): ids, numerators and weights; a metric is
+    sum(num) / sum(den) (accuracy: 0/1 and 1; bits per byte: -log2 likelihood and bytes of a document)."""
+    return {"id": ids, "num": [round(float(n), 6) for n in num], "den": [float(d) for d in den] if den else [1.0] * len(ids)}
+
+
 class HeldoutEval(Closed):
     """Greedy answers to the held-out prompts."""
 
@@ -206,6 +219,7 @@ class HeldoutEval(Closed):
     answered: float  # share with an extractable final answer
     by_family: dict[str, float]
     examples: list[dict[str, str]]
+    outcomes: dict[str, list[Any]] | None = None  # each prompt right or wrong (`outcomes`): paired comparisons
 
 
 Curve = list[tuple[float, float]]  # (step, value)

@@ -16,6 +16,7 @@ from typing import Any
 from infra.errors import SmolflowError
 from infra.recipe import TrainerCfg
 from infra.steps import CHECKPOINTS, FINAL
+from infra.summaries import item_id, outcomes
 from postrain.data import extract_answer, is_correct
 from postrain.generation import Backend, stop_token_ids
 
@@ -120,6 +121,7 @@ def heldout_accuracy(backend: Backend, tokenizer, items: list[dict[str, Any]], m
         "answered": sum(extract_answer(c) is not None for c in completions) / len(items),
         "by_family": {k: sum(v) / len(v) for k, v in sorted(by_family.items())},
         "examples": [{"prompt": i["prompt"][-1]["content"], "completion": c} for i, c in list(zip(items, completions))[:3]],
+        "outcomes": outcomes([item_id(i["prompt"]) for i in items], correct),
     }
 
 

@@ -138,9 +138,12 @@ def test_two_variants_at_once_build_each_shared_step_once_and_compare_with_inter
     data = json.loads((root / "report" / "ablation.json").read_text())
     rows = [r for r in data["rows"] if r["model"] == "sft"]
     assert {r["variant"] for r in rows} == {"slow", "fast"}
-    compared = [r for r in rows if r["variant"] == "fast"]
-    assert compared and all("ci95" in r and r["ci95"][0] <= r["diff"] <= r["ci95"][1] for r in compared)
-    assert {"held-out", "smol_arithmetic_gen"} <= {r["task"] for r in compared}
+    compared = {r["task"]: r for r in rows if r["variant"] == "fast"}
+    assert {"held-out", "smol_arithmetic_gen"} <= set(compared)
+    for task in ("held-out", "smol_arithmetic_gen"):  # the same prompts and eval items: compared item by item
+        base = next(r for r in rows if r["variant"] == "slow" and r["task"] == task)
+        assert compared[task]["method"].startswith("paired, ") and compared[task]["mcnemar_p"] is not None, task
+        assert compared[task]["diff"] == pytest.approx(compared[task]["mean"] - base["mean"], abs=1e-3), task
     assert "pretrain_phase1" in data["shared"] and data["differ"] == {"sft": 2}, "versions per step, not display strings"
     text = report.read_text()
     assert "Baseline: **slow**" in text and "95% interval" in text and (root / "report" / "scores.png").is_file()
@@ -153,7 +156,7 @@ def test_two_variants_at_once_build_each_shared_step_once_and_compare_with_inter
     assert len(json.loads((root / "ablation.json").read_text())["wall_seconds"]) == 2  # the full build, then the rerun
 
 
-def test_scores_are_averaged_over_seeds_and_differences_called_noise_when_the_interval_holds_zero():
+def test_scores_are_averaged_over_seeds_and_without_items_compared_by_their_standard_errors():
     from tasks.evaluation.compare import Row, Score, compare_rows
 
     row = Row("apo", "held-out", "accuracy")
@@ -161,8 +164,9 @@ def test_scores_are_averaged_over_seeds_and_differences_called_noise_when_the_in
     row.scores["b"] += [Score(0.70, 0.02), Score(0.74, 0.02)]
     mean, se = row.summary("a")
     assert mean == pytest.approx(0.52) and se == pytest.approx((0.0008 / 2 + 0.0004 / 2) ** 0.5)
-    far = {e["variant"]: e for e in compare_rows([row], ["a", "b"], "a")}
-    assert far["b"]["diff"] == pytest.approx(0.2) and far["b"]["verdict"] == "better" and far["b"]["ci95"][0] > 0
+    far = {e["variant"]: e for e in compare_rows([row], ["a", "b"], "a")}["b"]
+    assert far["method"] == "standard errors" and far["diff"] == pytest.approx(0.2) and far["verdict"] == "better"
+    assert far["noise_floor"] == pytest.approx(0.04), "the baseline's two seeds differ by 0.04"
     close = Row("apo", "held-out", "accuracy")
     close.scores["a"].append(Score(0.50, 0.05))
     close.scores["b"].append(Score(0.55, 0.05))
@@ -170,4 +174,55 @@ def test_scores_are_averaged_over_seeds_and_differences_called_noise_when_the_in
     ppl = Row("base", "smol_ppl_code", "bits_per_byte")
     ppl.scores["a"].append(Score(2.0, 0.01))
     ppl.scores["b"].append(Score(1.5, 0.01))
-    assert compare_rows([ppl], ["a", "b"], "a")[1]["verdict"] == "better"  # lower bits per byte is better
+    verdict = compare_rows([ppl], ["a", "b"], "a")[1]["verdict"]
+    assert verdict == "better (no noise floor: one baseline seed)"  # lower bits per byte is better; one seed measures no floor
+
+
+def _right_or_wrong(correct) -> dict:
+    return {f"q{i}": (float(c), 1.0) for i, c in enumerate(correct)}
+
+
+def test_a_paired_comparison_finds_a_planted_effect_the_unpaired_interval_misses_and_calls_a_null_noise():
+    import numpy as np
+
+    from tasks.evaluation.stats import paired, verdict
+
+    rng = np.random.default_rng(0)
+    base = rng.random(400) < 0.5  # items of mixed difficulty: both variants get most of the same ones right
+    better = base.copy()
+    better[np.flatnonzero(~base)[:16]] = True  # 16 wrong answers made right: +4 points, nothing else changed
+    found = paired([_right_or_wrong(base)], [_right_or_wrong(better)])
+    assert found.diff == pytest.approx(0.04) and found.ci95[0] > 0 and found.mcnemar_p < 0.001
+    assert found.unpaired_ci95[0] < 0 < found.unpaired_ci95[1], "ignoring the pairing, +4 points on 400 items is within noise"
+    assert verdict(found.diff, found.ci95, None, lower_is_better=False).startswith("better")
+    assert found.mde < 0.04 and found.items == 400
+    shuffled = base.copy()
+    flips = rng.choice(400, 40, replace=False)
+    shuffled[flips] = ~shuffled[flips]  # as many answers changed each way as chance gives: no effect
+    null = paired([_right_or_wrong(base)], [_right_or_wrong(shuffled)])
+    assert null.ci95[0] < 0 < null.ci95[1] and null.mcnemar_p > 0.05
+    assert verdict(null.diff, null.ci95, 0.01, lower_is_better=False) == "within noise"
+    # beyond 0 but no larger than two seeds of the baseline differ: no verdict
+    assert verdict(found.diff, found.ci95, 0.05, lower_is_better=False) == "below the noise floor"
+    assert paired([_right_or_wrong(base[:5])], [_right_or_wrong(better[:5])]) is None, "too few items in common"
+
+
+def test_bits_per_byte_are_compared_over_the_same_documents_weighted_by_their_bytes():
+    import numpy as np
+
+    from tasks.evaluation.compare import Row, Score, compare_rows
+
+    rng = np.random.default_rng(1)
+    size = rng.integers(200, 2000, 60).astype(float)
+    hard = rng.uniform(1.0, 3.0, 60)  # bits per byte of each document under the baseline: documents differ a lot
+    row = Row("base", "smol_ppl_math", "bits_per_byte")
+    for _ in range(2):  # two seeds each
+        jitter = rng.normal(0, 0.01, 60)
+        for variant, shift in (("a", 0.0), ("b", -0.05)):  # b: 0.05 fewer bits per byte on every document
+            bits = (hard + shift + jitter) * size
+            items = {f"d{i}": (bits[i], size[i]) for i in range(60)}
+            row.scores[variant].append(Score(float(bits.sum() / size.sum()), None, items))
+    e = compare_rows([row], ["a", "b"], "a")[1]
+    assert e["method"] == "paired, 60 items" and e["diff"] == pytest.approx(-0.05, abs=0.005) and e["ci95"][1] < 0
+    assert e["unpaired_ci95"][0] < 0 < e["unpaired_ci95"][1], "documents vary more than the effect: only the pairing sees it"
+    assert e["verdict"] == "better" and e["noise_floor"] < 0.01

@@ -17,7 +17,7 @@ from flows.graph import build_graph
 from infra.errors import StepLocked
 from infra.recipe import EvalCfg, load_recipe, parse_recipe
 from infra.steps import Step, finished, run_step
-from infra.summaries import ChatDataSummary, HeldoutEval, PhaseSummary, Summary, TrainedSummary
+from infra.summaries import ChatDataSummary, HeldoutEval, PhaseSummary, Summary, TrainedSummary, outcomes
 from model.checkpoint import CheckpointStore, mark_evaluated
 from tasks.evaluation.harness import EvalJob, EvalWorker, prepare_tasks
 from tasks.evaluation.report import build_report, phase_ends
@@ -100,6 +100,11 @@ def test_lm_eval_scores_a_model_once_per_content(tmp_path, heldout):
     assert metrics["smol_arithmetic_cf"]["chance"] == metrics["smol_arithmetic_mcf"]["chance"] == 0.25
     assert "chance" not in metrics["smol_arithmetic_gen"] and "chance" not in metrics["smol_ppl_math"]
     assert all(entry["limit"] == 6 for entry in record["tasks"].values())
+    # each item's outcome is kept beside the aggregate, and the aggregate is their ratio of sums
+    for task, key in (("smol_arithmetic_cf", "acc"), ("smol_ppl_math", "bits_per_byte"), ("smol_arithmetic_gen", "exact_match/answer")):
+        items = record["tasks"][task]["items"]
+        assert len(items["id"]) == len(set(items["id"])) and 4 <= len(items["id"]) <= 6, task  # limit 6; 4 held-out math docs
+        assert sum(items["num"]) / sum(items["den"]) == pytest.approx(metrics[task][key], rel=1e-4), task
 
     # the same content at another path is not evaluated again
     copy = tmp_path / "copy"
@@ -372,14 +377,16 @@ def test_report_card_from_a_run_dir(tmp_path):
         record |= {"summary": summary.model_dump(mode="json"), "summary_schema": summary.schema_name()}
         (run / name / "manifest.json").write_text(json.dumps(record))
 
-    def heldout(accuracy: float, tokens: float, by_family: dict[str, float]) -> HeldoutEval:
-        return HeldoutEval(items=20, accuracy=accuracy, mean_answer_tokens=tokens, answered=1.0, by_family=by_family, examples=[])
+    def heldout(accuracy: float, tokens: float, by_family: dict[str, float], right: int = 0) -> HeldoutEval:
+        kept = outcomes([f"p{i}" for i in range(40)], [float(i < right) for i in range(40)])  # the first RIGHT of 40 prompts
+        spread = {"answered": 1.0, "by_family": by_family, "examples": [], "outcomes": kept}
+        return HeldoutEval(items=40, accuracy=accuracy, mean_answer_tokens=tokens, **spread)
 
     phase = {"phase": "phase1", "steps": 5, "tokens": 1280, "seq_len": 256, "final_loss": 5.5, "stopped_early": False}
     manifest("pretrain_phase1", PhaseSummary(**phase, dropped_steps=[], failed_uploads=[], checkpoint_seconds=0.1), 12.0)
-    sft_eval = heldout(0.25, 20.0, {"arithmetic": 0.5, "word_problem": 0.0})
+    sft_eval = heldout(0.25, 20.0, {"arithmetic": 0.5, "word_problem": 0.0}, right=10)
     manifest("sft", TrainedSummary(eval=sft_eval, eval_before=heldout(0.0, 40.0, {})), 30.0)
-    manifest("apo", TrainedSummary(eval=heldout(0.2, 19.0, {"arithmetic": 0.4, "word_problem": 0.0})), 9.0)
+    manifest("apo", TrainedSummary(eval=heldout(0.2, 19.0, {"arithmetic": 0.4, "word_problem": 0.0}, right=8)), 9.0)
     counts = {"generated": 100, "contaminated": 0, "duplicates": 0, "train": 90, "heldout": 10, "sign_slips": 7}
     manifest("chat_data", ChatDataSummary(**counts, families={}, mixture_shortfalls=[]), 1.0)
     graph = build_graph(recipe)
@@ -401,6 +408,9 @@ def test_report_card_from_a_run_dir(tmp_path):
     assert phase_ends([finished(run, graph.phases[0])]) == [("phase1", 1280)]
     assert "| phase1/step00000005 | 0.300 | 2.500 |" in text
     assert "| sft | 25.0% | arithmetic 50.0%, word_problem 0.0% |  | 20.0 |" in text  # per family, as the card shows it
+    # each rung against the one below on the same prompts: 10 of 40 gained is beyond noise, 2 of 10 lost is not
+    assert "| 20.0 | +25.0% [+12.5%, +40.0%], McNemar p=0.002: up |" in text
+    assert "| 19.0 | -5.0% [-12.5%, +0.0%], McNemar p=0.5: within noise |" in text
     assert "drop the minus sign of 7 negative answers" in text  # a planted teacher flaw is said beside the ladder
     assert "**Held-out accuracy falls: apo is 5.0 points under sft.**" in text  # a rung that costs accuracy is said
     assert "base is" not in text and "sft is" not in text, "only a rung under the one below it"

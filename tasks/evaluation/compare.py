@@ -4,10 +4,14 @@ the baseline variant with a 95% interval, loss curves overlaid, cost and what wa
 Everything is read from the runs' dirs (step manifests, metrics, the shared evaluation results),
 so it can be rebuilt at any time. A variant's score is the mean over its seeds; its standard
 error combines the spread across seeds (s/sqrt(n), when n > 1) with the item-sampling error lm-eval
-reports (or, for the held-out prompts, the binomial one, Agresti-Coull), averaged over seeds and divided by
-sqrt(n). A difference's interval is diff +- 1.96 sqrt(SE_a^2 + SE_b^2); it ignores that the variants
-answer the same items, so it is wider than a paired test would be: a difference called "within
-noise" here may still be real, one called significant is.
+reports (or, for the held-out prompts, the binomial one: statsmodels' Agresti-Coull interval),
+averaged over seeds and divided by sqrt(n).
+
+A difference is compared over the items both variants answered where every seed kept its items
+(tasks/evaluation/stats.py: a paired bootstrap, McNemar's test for right/wrong items, the unpaired
+interval beside it); otherwise its interval is diff +- 1.96 sqrt(SE_a^2 + SE_b^2). The baseline's
+seeds measure the noise floor (their mean pairwise difference): "better" or "worse" needs the interval
+to exclude 0 and the difference to exceed that floor.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from infra.summaries import PhaseSummary, TrainedSummary
 from tasks.common import run_logger
 from tasks.evaluation.report import step_metrics
 from tasks.evaluation.results import ResultStore, local_fingerprint, main_metric, stderr_of
+from tasks.evaluation.stats import Items, items_of, noise_floor, paired, verdict
 
 LOWER_IS_BETTER = ("bits_per_byte", "loss")
 
@@ -44,6 +49,7 @@ class Score:
 
     value: float
     stderr: float | None
+    items: Items | None = None  # each item's outcome, where the evaluation kept them (paired comparisons)
 
 
 @dataclass
@@ -90,26 +96,28 @@ def _rows(runs: list[AblationRunDir]) -> tuple[list[Row], list[str]]:
                 continue
             fp, output = models[run.name][label]
             if isinstance(output.summary, TrainedSummary):
-                p, n = output.summary.eval.accuracy, output.summary.eval.items
-                se = _binomial_stderr(p, n) if n else None
+                e = output.summary.eval
+                se = _binomial_stderr(e.accuracy, e.items) if e.items else None
                 rows.setdefault((label, "held-out", "accuracy"), Row(label, "held-out", "accuracy")).scores[run.variant].append(
-                    Score(p, se)
+                    Score(e.accuracy, se, items_of(e.outcomes))
                 )
             record = results.get(fp) or {"tasks": {}}
             for task, entry in sorted(record["tasks"].items()):
                 if main := main_metric(entry["metrics"]):
                     key, value = main
                     row = rows.setdefault((label, task, key), Row(label, task, key))
-                    row.scores[run.variant].append(Score(value, stderr_of(entry["metrics"], key)))
+                    row.scores[run.variant].append(Score(value, stderr_of(entry["metrics"], key), items_of(entry.get("items"))))
     variants = list(dict.fromkeys(r.variant for r in runs))
     complete = [row for row in rows.values() if all(row.scores.get(v) for v in variants)]
     return complete, identical
 
 
 def _binomial_stderr(p: float, n: int) -> float:
-    """Agresti-Coull: unlike sqrt(p(1-p)/n) it is not 0 when no (or every) prompt is answered right."""
-    adjusted = (p * n + 2) / (n + 4)
-    return math.sqrt(adjusted * (1 - adjusted) / (n + 4))
+    """From statsmodels' Agresti-Coull interval: unlike sqrt(p(1-p)/n) it is not 0 when no (or every) prompt is right."""
+    from statsmodels.stats.proportion import proportion_confint
+
+    low, high = proportion_confint(round(p * n), n, alpha=0.05, method="agresti_coull")
+    return (high - low) / (2 * 1.959964)
 
 
 def compare_rows(rows: list[Row], variants: list[str], baseline: str) -> list[dict[str, Any]]:
@@ -117,6 +125,8 @@ def compare_rows(rows: list[Row], variants: list[str], baseline: str) -> list[di
     table = []
     for row in rows:
         base_mean, base_se = row.summary(baseline)
+        floor = noise_floor([s.value for s in row.scores[baseline]])
+        lower = row.metric in LOWER_IS_BETTER
         for variant in variants:
             mean, se = row.summary(variant)
             entry = {
@@ -130,17 +140,25 @@ def compare_rows(rows: list[Row], variants: list[str], baseline: str) -> list[di
                 "seeds_only": all(s.stderr is None for s in row.scores[variant]),  # no item-sampling error known
             }
             if variant != baseline:
-                diff = mean - base_mean
-                entry["diff"] = round(diff, 4)
-                if se is not None and base_se is not None:
-                    half = 1.96 * math.sqrt(se * se + base_se * base_se)
-                    entry["ci95"] = [round(diff - half, 4), round(diff + half, 4)]
-                    better = (diff < 0) if row.metric in LOWER_IS_BETTER else (diff > 0)
-                    entry["verdict"] = "within noise" if diff - half <= 0 <= diff + half else ("better" if better else "worse")
-                else:
-                    entry["verdict"] = "no error estimate"
+                entry |= _difference(row, baseline, variant, mean - base_mean, se, base_se, floor, lower)
             table.append(entry)
     return table
+
+
+def _difference(row: Row, baseline: str, variant: str, diff: float, se, base_se, floor: float | None, lower: bool) -> dict[str, Any]:
+    """Paired over items where every seed of both kept its items; else from the two standard errors."""
+    runs = [[s.items for s in row.scores[v]] for v in (baseline, variant)]
+    out: dict[str, Any] = {"diff": round(diff, 4), "noise_floor": None if floor is None else round(floor, 4)}
+    if all(all(r) for r in runs) and (p := paired(*runs)):
+        out |= {"diff": round(p.diff, 4), "ci95": [round(x, 4) for x in p.ci95], "unpaired_ci95": [round(x, 4) for x in p.unpaired_ci95]}
+        out |= {"method": f"paired, {p.items} items", "mde": round(p.mde, 4)}
+        out["mcnemar_p"] = None if p.mcnemar_p is None else round(p.mcnemar_p, 4)
+        return out | {"verdict": verdict(p.diff, p.ci95, floor, lower)}
+    if se is None or base_se is None:
+        return out | {"verdict": "no error estimate"}
+    half = 1.96 * math.sqrt(se * se + base_se * base_se)
+    ci95 = (diff - half, diff + half)
+    return out | {"ci95": [round(x, 4) for x in ci95], "method": "standard errors", "verdict": verdict(diff, ci95, floor, lower)}
 
 
 def _curves(run: AblationRunDir, step: Step, output: StepOutput | None) -> tuple[str, list[tuple[float, float]]]:
@@ -227,16 +245,19 @@ def publish_comparison(name: str, root: Path, runs: list[AblationRunDir], baseli
         lines += ["_no evaluation results that differ between variants yet_", ""]
     else:
         lines += [
-            "| model | task | metric | variant | seeds | score ± SE | diff vs baseline [95% interval] | verdict |",
-            "|---|---|---|---|---|---|---|---|",
+            "| model | task | metric | variant | seeds | score ± SE | diff vs baseline [95% interval] | unpaired 95% | noise floor "
+            "| verdict |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for e in table:
             se = f" ± {e['stderr']:.4f}{' †' if e['seeds_only'] else ''}" if e["stderr"] is not None else ""
-            diff = (
-                f"{e['diff']:+.4f}" + (f" [{e['ci95'][0]:+.4f}, {e['ci95'][1]:+.4f}]" if "ci95" in e else "") if "diff" in e else "baseline"
-            )
             what = f"{e['model']} | {e['task']} | {e['metric']} | {e['variant']} | {e['seeds']}"
-            lines.append(f"| {what} | {e['mean']:.4f}{se} | {diff} | {e.get('verdict', '')} |")
+            lines.append(f"| {what} | {e['mean']:.4f}{se} | {_diff_cells(e)} | {e.get('verdict', '')} |")
+        lines += [
+            "",
+            "Paired: over the items both variants answered (bootstrap; McNemar's p for right/wrong items; the smallest "
+            "difference it detects 80% of the time in brackets). Noise floor: the mean difference between two seeds of the baseline.",
+        ]
         if any(e["seeds_only"] and e["stderr"] is not None for e in table):
             lines += ["", "† spread over seeds only: lm-eval gives no standard error for this metric, so item sampling is not in it."]
         lines += ["", *_conclusion(table), ""]
@@ -245,7 +266,7 @@ def publish_comparison(name: str, root: Path, runs: list[AblationRunDir], baseli
         fig, ax = plt.subplots(figsize=(9, 0.35 * len(diffs) + 1.5))
         for i, e in enumerate(diffs):
             low, high = e.get("ci95", [e["diff"], e["diff"]])
-            color = {"better": "C2", "worse": "C3"}.get(e.get("verdict"), "grey")
+            color = {"better": "C2", "worse": "C3"}.get(e.get("verdict", "").split(" ")[0], "grey")
             ax.errorbar(e["diff"], i, xerr=[[e["diff"] - low], [high - e["diff"]]], fmt="o", color=color, capsize=3)
         ax.axvline(0, color="black", linewidth=0.8)
         labels = [f"{e['variant']}: {e['model']} {e['task'].removeprefix('smol_')} ({e['metric'].split('/')[0]})" for e in diffs]
@@ -315,12 +336,25 @@ def _wall(seconds: list[float]) -> str:
     return f" Wall time of `smolflow ablate`: {seconds[0]:,.0f} s{reruns}."
 
 
+def _diff_cells(e: dict[str, Any]) -> str:
+    """The difference with its interval (and how it was taken), the unpaired interval, the noise floor."""
+    if "diff" not in e:
+        return "baseline | | "
+    ci = f" [{e['ci95'][0]:+.4f}, {e['ci95'][1]:+.4f}]" if "ci95" in e else ""
+    how = f", {e['method']}" if "method" in e else ""
+    how += f", McNemar p={e['mcnemar_p']:.3g}" if e.get("mcnemar_p") is not None else ""
+    how += f" (detects ±{e['mde']:.4f})" if e.get("mde") else ""
+    unpaired = f"[{e['unpaired_ci95'][0]:+.4f}, {e['unpaired_ci95'][1]:+.4f}]" if "unpaired_ci95" in e else ""
+    floor = f"{e['noise_floor']:.4f}" if e.get("noise_floor") is not None else "one seed"
+    return f"{e['diff']:+.4f}{ci}{how} | {unpaired} | {floor}"
+
+
 def _conclusion(table: list[dict[str, Any]]) -> list[str]:
     """Plain sentences: which differences are outside noise, and that the rest are not."""
-    found = [e for e in table if e.get("verdict") in ("better", "worse")]
+    found = [e for e in table if e.get("verdict", "").split(" ")[0] in ("better", "worse")]
     lines = [
         f"- **{e['variant']}** is {e['verdict']} than the baseline on {e['model']} {e['task']} {e['metric']} "
-        f"({e['diff']:+.4f}, 95% interval [{e['ci95'][0]:+.4f}, {e['ci95'][1]:+.4f}])."
+        f"({e['diff']:+.4f}, 95% interval [{e['ci95'][0]:+.4f}, {e['ci95'][1]:+.4f}], {e['method']})."
         for e in found
     ]
     noise = sum(1 for e in table if e.get("verdict") == "within noise")
@@ -328,6 +362,9 @@ def _conclusion(table: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"- {noise} difference(s) are within noise: the interval includes 0; more seeds or eval items would be needed to tell."
         )
+    floor = sum(1 for e in table if e.get("verdict") == "below the noise floor")
+    if floor:
+        lines.append(f"- {floor} difference(s) exclude 0 but are no larger than the baseline's seed-to-seed difference: not a verdict.")
     return ["**Conclusion**", "", *lines] if lines else ["**Conclusion**: no difference could be estimated."]
 
 

@@ -42,6 +42,8 @@ from infra.env import thread_count, vllm_build, vllm_engine_args
 from infra.errors import SmolflowError
 from infra.procs import die_with_parent
 from infra.recipe import EvalCfg
+from infra.summaries import outcomes
+from tasks.evaluation.results import ITEMS, main_metric
 
 
 class EvalFailed(SmolflowError):
@@ -84,8 +86,9 @@ def _has_lines(path: str) -> bool:
         return any(line.strip() for line in f)
 
 
-def run_tasks(model_dir: Path, tasks: list[str], include: Path, cfg: EvalCfg, chat: bool) -> dict[str, dict[str, float]]:
-    """Evaluate `model_dir` on `tasks`; returns task -> metric -> value (NaN-free, plain floats)."""
+def run_tasks(model_dir: Path, tasks: list[str], include: Path, cfg: EvalCfg, chat: bool) -> dict[str, dict[str, Any]]:
+    """Evaluate `model_dir` on `tasks`; returns task -> metric -> value (NaN-free, plain floats), plus ITEMS: each
+    item's outcome on the main metric."""
     from lm_eval import simple_evaluate
 
     manager = _task_manager(str(include), cfg.include_defaults)
@@ -100,16 +103,40 @@ def run_tasks(model_dir: Path, tasks: list[str], include: Path, cfg: EvalCfg, ch
         batch_size=cfg.batch_size,
         apply_chat_template=chat,
         bootstrap_iters=100,  # mean metrics (acc, exact_match) get lm-eval's closed-form stderr; only f1-like ones bootstrap
-        log_samples=False,
+        log_samples=True,  # each item's outcome, kept beside the aggregate for paired comparisons
         random_seed=0,
         numpy_random_seed=0,
         torch_random_seed=0,
         fewshot_random_seed=0,
     )
-    scores = {task: _plain(metrics) for task, metrics in results["results"].items()}
+    scores: dict[str, dict[str, Any]] = {task: _plain(metrics) for task, metrics in results["results"].items()}
+    for task, samples in results.get("samples", {}).items():
+        if task in scores and (kept := item_outcomes(samples, scores[task])):
+            scores[task][ITEMS] = kept
     for task, chance in chance_levels(manager, tasks, cfg.limit).items():
         scores.setdefault(task, {})["chance"] = chance
     return scores
+
+
+def item_outcomes(samples: list[dict[str, Any]], metrics: dict[str, float]) -> dict[str, list] | None:
+    """Each document's outcome on the task's main metric, from lm-eval's logged samples, keyed by its hash of the
+    document: a 0/1 (accuracy, exact match) or, for bits per byte, the document's -log2 likelihood and bytes."""
+    main = main_metric(metrics)
+    if main is None:
+        return None
+    name, _, kept_filter = main[0].partition("/")
+    rows = [s for s in samples if s.get("filter", "none") == (kept_filter or "none") and name in s]
+    ids, num, den = [], [], []
+    for s in rows:
+        value = s[name]
+        if isinstance(value, list | tuple):  # (log-likelihood, bytes): lm-eval aggregates the ratio of sums
+            num.append(-value[0] / math.log(2))
+            den.append(value[1])
+        else:
+            num.append(float(value))
+            den.append(1.0)
+        ids.append(s["doc_hash"][:12])
+    return outcomes(ids, num, den) if rows else None
 
 
 @functools.cache

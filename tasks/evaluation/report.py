@@ -19,6 +19,7 @@ from infra.steps import Step, StepOutput, finished
 from infra.summaries import ChatDataSummary, CurationSummary, HeldoutEval, PhaseSummary, TrainedSummary
 from postrain.data import sign_slips_note
 from tasks.evaluation.results import made_by, main_metric, stderr_of
+from tasks.evaluation.stats import items_of, paired, verdict
 
 
 @dataclass
@@ -227,16 +228,34 @@ def falls(rungs: list[tuple[str, HeldoutEval]]) -> str | None:
 
 def ladder_table(rungs: list[tuple[str, HeldoutEval]], generative: dict[str, float] | None = None) -> list[str]:
     """The post-training ladder as a table, the one renderer of it (report card, post-training report): held-out
-    accuracy overall and by family, lm-eval's math exact match where scored (GENERATIVE), answer length; then any fall."""
+    accuracy overall and by family, lm-eval's math exact match where scored (GENERATIVE), answer length, each rung
+    against the one below on the same prompts (paired); then any fall."""
     generative = generative or {}
-    rows = ["| model | held-out accuracy | by family | lm-eval math | mean answer tokens |", "|---|---|---|---|---|"]
+    rows = ["| model | held-out accuracy | by family | lm-eval math | mean answer tokens | vs the rung below (paired) |"]
+    rows.append("|---|---|---|---|---|---|")
+    below: HeldoutEval | None = None
     for n, e in rungs:
         family = ", ".join(f"{k} {v:.1%}" for k, v in e.by_family.items())
         math_em = f"{generative[n]:.1%}" if n in generative else ""
-        rows.append(f"| {n} | {e.accuracy:.1%} | {family} | {math_em} | {e.mean_answer_tokens:.1f} |")
+        rows.append(f"| {n} | {e.accuracy:.1%} | {family} | {math_em} | {e.mean_answer_tokens:.1f} | {rung_step(below, e)} |")
+        below = e
     if fell := falls(rungs):
         rows += ["", f"**{fell}**"]
+    if any(e.outcomes for _, e in rungs):
+        note = "Paired: over the prompts both rungs answered, 95% bootstrap interval and McNemar's p (one pipeline seed: no noise floor)."
+        rows += ["", note]
     return rows
+
+
+def rung_step(below: HeldoutEval | None, e: HeldoutEval) -> str:
+    """A rung's change from the one below it, with how sure it is; blank where either kept no outcomes."""
+    if below is None or not (below.outcomes and e.outcomes):
+        return ""
+    p = paired([items_of(below.outcomes)], [items_of(e.outcomes)])
+    if p is None:
+        return ""
+    said = verdict(p.diff, p.ci95, None, lower_is_better=False).replace("better", "up").replace("worse", "down")
+    return f"{p.diff:+.1%} [{p.ci95[0]:+.1%}, {p.ci95[1]:+.1%}], McNemar p={p.mcnemar_p:.2g}: {said.split(' (')[0]}"
 
 
 def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir: Path, card: Card, notes: list[str]) -> list[str]:

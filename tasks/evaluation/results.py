@@ -32,6 +32,7 @@ from infra.storage import file_digest, filesystem, with_retries
 from model.checkpoint import MARKER, is_complete
 
 log = logging.getLogger(__name__)
+ITEMS = "items"  # a task's per-item outcomes in a result record (infra.summaries.outcomes)
 MAIN_METRIC = ("acc", "exact_match/answer", "bits_per_byte")  # the number a task is summed up by, in this order
 
 
@@ -225,13 +226,15 @@ class ResultStore:
 
     def put(self, model: ModelRef, metrics: dict[str, dict[str, float]], key: str, limit: int | None, seconds: float) -> dict[str, Any]:
         record = self.get(model.fingerprint) or {"fingerprint": model.fingerprint, "model": model.info(), "tasks": {}}
-        record["tasks"].update({task: {"key": key, "limit": limit, "metrics": m} for task, m in metrics.items()})
+        for task, m in metrics.items():  # a task's item outcomes (`items`, when kept) beside its metrics
+            entry = {"key": key, "limit": limit, "metrics": {k: v for k, v in m.items() if k != ITEMS}}
+            record["tasks"][task] = entry | ({ITEMS: m[ITEMS]} if ITEMS in m else {})
         record["seconds"] = round(record.get("seconds", 0.0) + seconds, 2)
         record["evaluated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         tmp = f"{self.root}/.{model.fingerprint}.json.tmp"
         self.fs.makedirs(self.root, exist_ok=True)
         with self.fs.open(tmp, "w") as f:
-            json.dump(record, f, indent=2, sort_keys=True)
+            json.dump(record, f, sort_keys=True, separators=(",", ":"))  # compact: item outcomes run to thousands of numbers
         self.fs.mv(tmp, self._path(model.fingerprint))
         return record
 
