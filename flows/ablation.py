@@ -186,4 +186,5 @@ def report(abl: Ablation) -> Path:
     """The comparison report of the ablation as its run dirs hold it now."""
     runs = [AblationRunDir(run.name, run.variant, abl.root / run.name, steps_of(abl, run)) for run in abl.runs]
     data = json.loads((abl.root / "ablation.json").read_text())
-    return publish_comparison(abl.cfg.name, abl.root, runs, abl.baseline, data.get("wall_seconds", []))
+    select = abl.runs[0].recipe.evaluation.select  # variants share one evaluation
+    return publish_comparison(abl.cfg.name, abl.root, runs, abl.baseline, data.get("wall_seconds", []), select)

@@ -323,6 +323,36 @@ def eval_cmd(
     typer.echo(result)
 
 
+evals_app = typer.Typer(help="Checks of the evaluation results that runs hold.")
+app.add_typer(evals_app, name="evals")
+
+
+@evals_app.command("audit")
+def evals_audit(
+    run_dirs: Annotated[list[Path], typer.Argument(help="One run dir, or the runs of an ablation (seeds, variants).", show_default=False)],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON instead of a table.")] = False,
+) -> None:
+    """Which eval tasks carry signal at this scale, over the pretraining checkpoints of RUN_DIRS: monotonicity
+    (Spearman vs tokens), noise (across runs, else over the last checkpoints), signal-to-noise, distance from chance,
+    and with several runs ranking consistency (Kendall) between successive checkpoints. Each task gets a verdict:
+    usable early, usable late, or no signal at this scale (the report card shows the same table)."""
+    import json
+
+    from flows.graph import build_graph
+    from flows.pipeline import source_recipe
+    from tasks.evaluation.audit import audit, audit_table
+    from tasks.evaluation.report import eval_records
+
+    missing = [str(d) for d in run_dirs if not (d / "recipe.json").is_file()]
+    if missing:
+        _fail(SmolflowError(f"not run dirs (no recipe.json): {', '.join(missing)}"))
+    try:
+        audits = audit([eval_records(d, build_graph(source_recipe(str(d), None)).steps) for d in run_dirs])
+    except SmolflowError as err:
+        _fail(err)
+    typer.echo(json.dumps([a.row() for a in audits], indent=2) if as_json else "\n".join(audit_table(audits)))
+
+
 @app.command()
 def deployments(
     write: Annotated[bool, typer.Option("--write", help="Rewrite prefect.yaml's stage deployments (else print the file).")] = False,

@@ -620,6 +620,9 @@ class EvalCfg(Strict):
     nice: int = operational(10, ge=0, le=19, description="CPU priority of eval processes below the trainer's")
     timeout_minutes: float = operational(60, gt=0, description="an evaluation child running longer is killed and reported")
     threads: int = operational(1, ge=1, description="threads of an eval process beside a trainer (a stage's own evals use every core)")
+    select: Literal["all", "auto"] = operational(
+        "all", description="ablations: verdicts on every task (all), or only on tasks the early-signal checks find usable (auto)"
+    )
 
 
 class Recipe(Strict):

@@ -148,6 +148,7 @@ def test_two_variants_at_once_build_each_shared_step_once_and_compare_with_inter
     assert "pretrain_phase1" in data["shared"] and data["differ"] == {"sft": 2}, "versions per step, not display strings"
     text = report.read_text()
     assert "Baseline: **slow**" in text and "95% interval" in text and (root / "report" / "scores.png").is_file()
+    assert "## Which tasks carry signal" in text and data["audit"], "the early-signal checks over the runs' checkpoints"
     assert (root / "report" / "curves.png").is_file()  # the SFT loss curves of both variants
     assert data["alone_seconds"] > data["distinct_seconds"] > 0
 
@@ -162,7 +163,7 @@ def held_out_prompts(root: Path) -> list[str]:
 
 
 def test_scores_are_averaged_over_seeds_and_without_items_compared_by_their_standard_errors():
-    from tasks.evaluation.compare import Row, Score, compare_rows
+    from tasks.evaluation.compare import Row, Score, compare_rows, judge_only_usable
 
     row = Row("apo", "held-out", "accuracy")
     row.scores["a"] += [Score(0.50, 0.02), Score(0.54, 0.02)]
@@ -181,6 +182,8 @@ def test_scores_are_averaged_over_seeds_and_without_items_compared_by_their_stan
     ppl.scores["b"].append(Score(1.5, 0.01))
     verdict = compare_rows([ppl], ["a", "b"], "a")[1]["verdict"]
     assert verdict == "better (no noise floor: one baseline seed)"  # lower bits per byte is better; one seed measures no floor
+    judged = judge_only_usable(compare_rows([row, ppl], ["a", "b"], "a"), {"smol_ppl_code"})  # as with evaluation.select: auto
+    assert [e.get("verdict") for e in judged] == [None, "better", None, "not judged: no signal at this scale"]
 
 
 def _right_or_wrong(correct) -> dict:

@@ -429,3 +429,50 @@ def test_a_task_without_documents_is_skipped_with_a_warning(tmp_path, heldout, c
     assert list(ev.no_data) == ["smol_ppl_code"] and "heldout_fraction" in caplog.text
     ref = ModelRef(str(tmp_path), "fp", "phase1/step00000005", "checkpoint", "phase1")
     assert ev.task_groups(ref) == [(["smol_arithmetic_cf"], False)]
+
+
+def _checkpoints(scores_by_task: dict[str, list[float]], chance: dict[str, float], run: str = "r") -> list[dict]:
+    """Result records of a run's checkpoints at 100, 200, ... tokens."""
+    n = len(next(iter(scores_by_task.values())))
+    records = []
+    for i in range(n):
+        tasks = {}
+        for task, scores in scores_by_task.items():
+            key = "bits_per_byte" if "ppl" in task else "acc"
+            tasks[task] = {"metrics": {key: scores[i]} | ({"chance": chance[task]} if task in chance else {})}
+        model = {"kind": "checkpoint", "tokens": 100 * (i + 1), "label": f"p/{i}"}
+        records.append({"fingerprint": f"{run}{i}", "model": model, "tasks": tasks})
+    return records
+
+
+def test_the_audit_tells_tasks_with_early_signal_from_late_ones_and_from_noise_at_chance():
+    import numpy as np
+
+    from tasks.evaluation.audit import audit, audit_table
+
+    rng = np.random.default_rng(0)
+    steps = np.arange(1, 9)
+    tasks = {
+        "early_cf": list(0.25 + 0.05 * steps + rng.normal(0, 0.005, 8)),  # above chance from the second checkpoint
+        "late_cf": list(0.25 + np.where(steps > 5, 0.1 * (steps - 5), 0) + rng.normal(0, 0.005, 8)),  # leaves chance at 6 of 8
+        "flat_mcf": list(0.25 + rng.normal(0, 0.01, 8)),  # at chance the whole run
+        "smol_ppl_code": list(3.0 - 0.2 * steps + rng.normal(0, 0.005, 8)),  # bits per byte: lower is better, no chance level
+    }
+    chance = {"early_cf": 0.25, "late_cf": 0.25, "flat_mcf": 0.25}
+    found = {a.task: a for a in audit([_checkpoints(tasks, chance)])}
+    assert found["early_cf"].verdict == "usable early" and found["early_cf"].monotonicity > 0.9
+    assert found["late_cf"].verdict == "usable late"
+    assert found["flat_mcf"].verdict == "no signal at this scale" and abs(found["flat_mcf"].above_chance) < 2
+    assert found["smol_ppl_code"].verdict == "usable early" and found["smol_ppl_code"].snr > 0, "lower bits per byte is better"
+    # three seeds: noise is their spread at each checkpoint; a task whose seeds swap order at every checkpoint ranks at random
+    runs = []
+    for seed in range(3):
+        offset = {"early_cf": 0.01 * seed, "late_cf": 0.0, "flat_mcf": 0.0, "smol_ppl_code": 0.0}
+        noisy = {t: [v + offset[t] + rng.normal(0, 0.002) for v in s] for t, s in tasks.items()}
+        noisy["flat_mcf"] = [0.25 + rng.normal(0, 0.01) for _ in range(8)]
+        runs.append(_checkpoints(noisy, chance, run=f"s{seed}"))
+    seeded = {a.task: a for a in audit(runs)}
+    assert seeded["early_cf"].runs == 3 and seeded["early_cf"].ranking > 0.9, "seed 2 > seed 1 > seed 0 at every checkpoint"
+    assert seeded["flat_mcf"].ranking < 0.5 and seeded["flat_mcf"].verdict == "no signal at this scale"
+    assert audit([_checkpoints(tasks, chance)] * 2)[0].runs == 1, "runs that share their checkpoints are one run"
+    assert "| flat_mcf | acc | 8 x 1 |" in "\n".join(audit_table(list(found.values())))

@@ -28,7 +28,8 @@ from infra.steps import Step, StepOutput, finished
 from infra.storage import write_json_atomic
 from infra.summaries import PhaseSummary, TrainedSummary
 from tasks.common import run_logger
-from tasks.evaluation.report import step_metrics
+from tasks.evaluation.audit import NO_SIGNAL, audit, audit_table
+from tasks.evaluation.report import eval_records, step_metrics
 from tasks.evaluation.results import ResultStore, local_fingerprint, main_metric, stderr_of
 from tasks.evaluation.stats import Items, items_of, noise_floor, paired, verdict
 
@@ -208,7 +209,9 @@ def _cost(runs: list[AblationRunDir], done: Done) -> tuple[list[dict[str, Any]],
     return rows, sum(r["step_seconds"] for r in rows), sum(distinct.values())
 
 
-def publish_comparison(name: str, root: Path, runs: list[AblationRunDir], baseline: str, wall_seconds: list[float]) -> Path:
+def publish_comparison(
+    name: str, root: Path, runs: list[AblationRunDir], baseline: str, wall_seconds: list[float], select: str = "all"
+) -> Path:
     """Write ROOT/report/ablation.md (+ PNGs, + JSON) and publish it as Prefect artifacts."""
     import matplotlib
 
@@ -220,6 +223,10 @@ def publish_comparison(name: str, root: Path, runs: list[AblationRunDir], baseli
     variants = list(dict.fromkeys(r.variant for r in runs))
     rows, identical = _rows(runs)
     table = compare_rows(rows, variants, baseline)
+    audits = audit([eval_records(r.run_dir, r.steps) for r in runs])
+    silent = {a.task for a in audits if a.verdict == NO_SIGNAL}
+    if select == "auto":
+        table = judge_only_usable(table, silent)
     lines = [
         f"# Ablation: {name}",
         "",
@@ -279,6 +286,12 @@ def publish_comparison(name: str, root: Path, runs: list[AblationRunDir], baseli
         ax.set(title=f"Difference from {baseline}, 95% interval", xlabel="green: better, red: worse, grey: within noise")
         lines += [f"![scores]({_save(fig, out / 'scores.png').name})", ""]
 
+    lines += ["## Which tasks carry signal", "", *audit_table(audits), ""]
+    if select == "auto":
+        lines += [f"Left out of the verdicts (`evaluation.select: auto`): {', '.join(sorted(silent)) or 'none'}.", ""]
+    elif silent:
+        lines += [f"Judged although they show no signal at this scale (`evaluation.select: all`): {', '.join(sorted(silent))}.", ""]
+
     # training curves of the steps that differ
     curves = [s for s in differ if _curves(runs[0], s, done[runs[0].name].get(s.name))[1]]
     if curves:
@@ -317,6 +330,7 @@ def publish_comparison(name: str, root: Path, runs: list[AblationRunDir], baseli
         out / "ablation.json",
         {
             "rows": table,
+            "audit": [a.row() for a in audits],
             "shared": shared,
             "differ": {s.name: versions[s.name] for s in differ},  # step -> its versions across the runs
             "cost": cost,
@@ -334,6 +348,11 @@ def _wall(seconds: list[float]) -> str:
         return ""
     reruns = f" (then {', '.join(f'{s:,.0f} s' for s in seconds[1:])} for reruns)" if len(seconds) > 1 else ""
     return f" Wall time of `smolflow ablate`: {seconds[0]:,.0f} s{reruns}."
+
+
+def judge_only_usable(table: list[dict[str, Any]], silent: set[str]) -> list[dict[str, Any]]:
+    """`evaluation.select: auto`: no verdict on a task the early-signal checks found without signal."""
+    return [e | {"verdict": f"not judged: {NO_SIGNAL}"} if e["task"] in silent and "verdict" in e else e for e in table]
 
 
 def _diff_cells(e: dict[str, Any]) -> str:

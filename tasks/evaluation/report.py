@@ -18,6 +18,7 @@ from typing import Any
 from infra.steps import Step, StepOutput, finished
 from infra.summaries import ChatDataSummary, CurationSummary, HeldoutEval, PhaseSummary, TrainedSummary
 from postrain.data import sign_slips_note
+from tasks.evaluation.audit import BEYOND, audit, audit_table
 from tasks.evaluation.results import made_by, main_metric, stderr_of
 from tasks.evaluation.stats import items_of, paired, verdict
 
@@ -40,13 +41,14 @@ def build_report(run_dir: Path, name: str, graph: list[Step]) -> Card:
     plots_dir.mkdir(parents=True, exist_ok=True)
     card = Card(path=out / "card.md", markdown="")
     steps = {s.name: o for s in graph if (o := finished(run_dir, s))}
-    evals = _eval_records(run_dir, graph)
+    evals = eval_records(run_dir, graph)
     order = [s.checkpoints for s in graph if s.checkpoints] + [s.model for s in graph if s.model]
     lines = [f"# Report card: {name}", "", f"Run dir `{run_dir}`, built {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", ""]
     lines += _summary(graph, steps, evals)
     lines += _curation([s for s in graph if issubclass(s.summary_type, CurationSummary)], steps)
     lines += _pretraining(run_dir, [s for s in graph if s.checkpoints], plots_dir, card)
     lines += _evaluations(evals, order, phase_ends([steps[s.name] for s in graph if s.checkpoints and s.name in steps]), plots_dir, card)
+    lines += _early_signal(evals, plots_dir, card)
     chats = [o.summary for o in steps.values() if isinstance(o.summary, ChatDataSummary)]
     slips = sum(c.sign_slips for c in chats)
     notes = [sign_slips_note(slips)] if slips else []
@@ -72,7 +74,7 @@ def phase_ends(phases: list[StepOutput]) -> list[tuple[str, int]]:
     return ends
 
 
-def _eval_records(run_dir: Path, graph: list[Step]) -> list[dict]:
+def eval_records(run_dir: Path, graph: list[Step]) -> list[dict]:
     """This run's results: a result store shared with other runs (an ablation's) holds theirs too."""
     ours = {made_by(folder) for s in graph for folder in (run_dir / s.name, run_dir / ".partial" / s.name)} - {None}
     records = [json.loads(p.read_text()) for p in sorted((run_dir / "evals" / "results").glob("*.json"))]
@@ -285,6 +287,24 @@ def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir:
     for note in notes:
         rows += ["", note]
     return ["## Post-training ladder", "", f"![ladder]({path.relative_to(card.path.parent)})", "", *rows, ""]
+
+
+def _early_signal(evals: list[dict], plots_dir: Path, card: Card) -> list[str]:
+    """Which eval tasks carry signal at this scale (tasks/evaluation/audit.py), as `smolflow evals audit` prints it."""
+    import matplotlib.pyplot as plt
+
+    audits = audit([evals])
+    lines = ["## Early-signal checks", "", *audit_table(audits), ""]
+    if audits:
+        fig, ax = plt.subplots(figsize=(8, 0.35 * len(audits) + 1.2))
+        colors = {"usable early": "C2", "usable late": "C1"}
+        ax.barh([a.task for a in audits], [a.snr for a in audits], color=[colors.get(a.verdict, "grey") for a in audits])
+        ax.axvline(BEYOND, color="black", linewidth=0.8, linestyle="--")
+        ax.invert_yaxis()
+        legend = f"green: usable early, orange: late, grey: no signal (dashed: {BEYOND:g})"
+        ax.set(title="Signal / noise over the checkpoints", xlabel=legend)
+        lines += [f"![early-signal checks]({_save(fig, plots_dir / 'audit.png', card).relative_to(card.path.parent)})", ""]
+    return lines
 
 
 def _wall_time(steps: dict[str, StepOutput], plots_dir: Path, card: Card) -> list[str]:
