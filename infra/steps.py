@@ -146,7 +146,7 @@ class Step:
     def __post_init__(self) -> None:
         """A function that types its `inputs` (a TypedDict of roles) is wired to exactly those roles: a role missing
         or unknown fails where the graph is built, not when the step runs."""
-        hint = get_type_hints(self._function()).get("inputs")
+        hint = self._hints().get("inputs")
         if not hasattr(hint, "__required_keys__"):
             return  # untyped inputs (a test's toy step)
         required, optional, given = set(hint.__required_keys__), set(hint.__optional_keys__), set(self.deps)
@@ -156,13 +156,15 @@ class Step:
                 f"({hint.__name__}: {sorted(required)}, optional {sorted(optional)})"
             )
 
-    def _function(self) -> Callable:
-        return self.fn.func if isinstance(self.fn, functools.partial) else self.fn
+    def _hints(self) -> dict[str, Any]:
+        """The annotations of the step's function (through a partial); none for a step only identified, never built."""
+        fn = self.fn.func if isinstance(self.fn, functools.partial) else self.fn
+        return get_type_hints(fn) if callable(fn) else {}
 
     @property
     def summary_type(self) -> type[Summary]:
         """The summary model the function's return type names; an open Summary where it names none."""
-        kind = get_type_hints(self._function()).get("return")
+        kind = self._hints().get("return")
         return kind if isinstance(kind, type) and issubclass(kind, Summary) else Summary
 
 

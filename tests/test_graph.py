@@ -201,6 +201,10 @@ def test_short_lived_processes_import_no_training_library(modules):
     assert out.returncode == 0 and out.stdout.split() == ["[]"], out.stdout + out.stderr
 
 
+# words that are also a step's name, where they mean something else
+HOMONYMS = {"tasks/evaluation/harness.py": {"filter"}}  # the key of an lm-eval logged sample naming its output filter
+
+
 def test_step_names_are_spelled_only_in_the_graph_module():
     """Stage names (flows, CLI, deployments) are another concept; a stage of one step shares its spelling."""
     graph = build_graph(parse_recipe(micro_recipe(), "micro"))
@@ -211,7 +215,8 @@ def test_step_names_are_spelled_only_in_the_graph_module():
                 continue
             tree = ast.parse(path.read_text())
             literals = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
-            assert not literals & names, f"{path.relative_to(REPO)} spells step names {sorted(literals & names)}"
+            spelled = literals & names - HOMONYMS.get(path.relative_to(REPO).as_posix(), set())
+            assert not spelled, f"{path.relative_to(REPO)} spells step names {sorted(spelled)}"
 
 
 def test_prefect_yaml_deploys_every_stage_of_the_graph():
