@@ -395,6 +395,7 @@ class PretrainCfg(Strict):
     seq_len: int = Field(gt=0)
     max_epochs: float = Field(4.0, gt=0, description="fail when a phase repeats a source more often")
     phases: list[PhaseCfg] = Field(min_length=1)
+    seed: int | None = Field(None, description="initial weights and batch order; default: the recipe's (an ablation varies it alone)")
     batch_size: int = Field(8, gt=0, description="sequences per optimizer step, over all ranks (the global batch)")
     micro_batch_size: int = operational(8, gt=0, description="sequences per rank per forward pass; gradient accumulation fills the rest")
     precision: Literal["fp32", "bf16"] = "fp32"

@@ -66,7 +66,7 @@ def train_configs(recipe: Recipe) -> list[TrainConfig]:
             TrainConfig(
                 phase=phase.name,
                 index=i,
-                seed=recipe.seed,
+                seed=recipe.seed if p.seed is None else p.seed,
                 model=recipe.model,
                 samples=counts,
                 seq_len=p.phase_seq_len(phase),
