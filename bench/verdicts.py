@@ -8,6 +8,7 @@ the project's store): the recipe's mixtures, and the same with no math in any ph
 base models' per-item outcomes, judged as `smolflow ablate` judges (tasks/evaluation/stats.py):
 - nulls: every pair of seeds of one variant, the noise floor measured on that variant's other seeds;
 - power: every (recipe, no math) pair of seeds, the floor from the recipe's other seeds;
+(each run's last checkpoint, the base model's weights)
 - items: on each planted pair, the fewest held-out items (random subsets, doubling) at which the paired interval
   excludes 0, and the same for the unpaired interval.
 Usage:  .venv/bin/python bench/verdicts.py [--seeds 5] [--scale 0.1] [--run-dir runs/ablations/verdicts]
@@ -62,10 +63,11 @@ def ablation_file(folder: Path, seeds: int, scale: float) -> Path:
 
 
 def base_items(run_dir: Path) -> dict[str, Items]:
-    """task -> the base model's item outcomes in this run."""
+    """task -> the item outcomes of the run's pretrained model (its last checkpoint: the base model's weights)."""
     records = eval_records(run_dir, build_graph(source_recipe(str(run_dir), None)).steps)
-    base = next(r for r in records if r["model"]["label"] == "base")
-    return {task: items_of(base["tasks"][task].get("items")) for task in TASKS}
+    scored = [r for r in records if r["model"]["kind"] == "checkpoint" and all(t in r["tasks"] for t in TASKS)]
+    last = max(scored, key=lambda r: r["model"]["tokens"])
+    return {task: items_of(last["tasks"][task].get("items")) for task in TASKS}
 
 
 def score(items: Items) -> float:

@@ -127,7 +127,22 @@ def explain(ablation: Ablation) -> list[str]:
     saved, total = _pretraining_tokens(per_run, users)
     if total:
         lines.append(f"Pretraining tokens: {total - saved:,} to train instead of {total:,} for independent runs.")
-    return lines
+    return lines + [_noise_floor(ablation, per_run, users)]
+
+
+def _noise_floor(ablation: Ablation, per_run, users) -> str:
+    """What measures the noise floor a verdict must exceed, and what it costs: the baseline's seeds."""
+    base = [(run, steps, ids) for run, steps, ids, _ in per_run if run.variant == ablation.baseline]
+    per_seed = {step.name for run, steps, ids in base for step in steps if len(users[(step.name, ids[step.name])]) == 1}
+    if len(base) < 2:
+        return (
+            f"Noise floor: not measured (one seed of {ablation.baseline}): verdicts will say so; `seeds: 2` measures it "
+            f"at the cost of another run of each variant's own steps."
+        )
+    return (
+        f"Noise floor: measured from {ablation.baseline}'s {len(base)} seeds (varying {ablation.cfg.seed_key}); their own steps, "
+        f"built per seed: {', '.join(sorted(per_seed)) or 'none'}."
+    )
 
 
 def _pretraining_tokens(per_run, users) -> tuple[int, int]:

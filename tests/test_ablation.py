@@ -72,6 +72,8 @@ def test_dry_run_shows_what_is_shared_and_what_each_seed_builds(tmp_path):
     assert table["sft"] == ["build*", "shared*", "shared*", "shared*"]  # SFT is the same in every run
     assert table["apo"] == ["build", "build", "build", "build"]  # APO differs by variant and by seed
     assert any("64 steps in all runs, 19 distinct: sharing saves 45 builds" in line for line in explain(abl))
+    floor = "Noise floor: measured from apo's 2 seeds (varying postrain.apo.seed); their own steps, built per seed: apo."
+    assert explain(abl)[-1] == floor
 
 
 def test_an_ablation_of_a_recipe_with_a_project_store_finds_what_a_plain_run_built(tmp_path):
@@ -94,6 +96,7 @@ def test_an_ablation_of_a_recipe_with_a_project_store_finds_what_a_plain_run_bui
     table = {line.split()[0]: line.split()[1:] for line in lines if line.split()}
     assert table["tokenize"] == ["cached*", "cached*"] and table["pretrain_long_context"] == ["cached*", "cached*"]
     assert table["sft"] == ["build", "build"] and any(f"cached in {tmp_path / 'steps'}" in line for line in lines)
+    assert lines[-1].startswith("Noise floor: not measured (one seed of slow)")
 
 
 # two SFT learning rates: curation, pretraining and the chat data are shared, SFT is built per variant
