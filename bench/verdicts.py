@@ -3,15 +3,16 @@
 than the unpaired one.
 
 It runs one ablation of the tiny recipe at a proxy scale (`--scale` of its pretraining tokens; curation comes from
-the project's store): the recipe's mixtures, and the same with no math in any phase (the planted effect), each with
-`--seeds` seeds (`pretrain.seed`: weights and batch order), scored on held-out math bits per byte and arithmetic cloze. From the
+the project's store): the recipe's mixtures, and a planted change (`--planted no_math`: no math in any phase, a large
+effect; `math25`: 25% math in phase 1 instead of 10%, a small one), each with `--seeds` seeds (`pretrain.seed`:
+weights and batch order), scored on held-out math bits per byte and arithmetic cloze. From the
 base models' per-item outcomes, judged as `smolflow ablate` judges (tasks/evaluation/stats.py):
 - nulls: every pair of seeds of one variant, the noise floor measured on that variant's other seeds;
 - power: every (recipe, no math) pair of seeds, the floor from the recipe's other seeds;
 (each run's last checkpoint, the base model's weights)
 - items: on each planted pair, the fewest held-out items (random subsets, doubling) at which the paired interval
   excludes 0, and the same for the unpaired interval.
-Usage:  .venv/bin/python bench/verdicts.py [--seeds 5] [--scale 0.1] [--run-dir runs/ablations/verdicts]
+Usage:  .venv/bin/python bench/verdicts.py [--seeds 5] [--scale 0.1] [--planted no_math|math25] [--run-dir DIR]
 """
 
 from __future__ import annotations
@@ -36,26 +37,33 @@ from tasks.evaluation.stats import Items, items_of, noise_floor, paired, verdict
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = {"smol_ppl_math": True, "smol_arithmetic_cf": False}  # task -> lower is better
-VARIANTS = ("recipe", "no_math")
 
 
-def ablation_file(folder: Path, seeds: int, scale: float) -> Path:
+def planted_change(name: str) -> list[str]:
+    """The planted variant's overrides: no math in any phase, or phase 1's math raised from 10% to 25%."""
+    phases = load_recipe(REPO / "configs" / "tiny.yaml").pretrain.phases
+    if name == "math25":
+        return ["pretrain.phases.0.mixture={prose: 0.375, code: 0.375, math: 0.25}"]
+    out = []
+    for i, p in enumerate(phases):
+        rest = {k: w for k, w in p.mixture.items() if k != "math"}
+        out.append(f"pretrain.phases.{i}.mixture={{{', '.join(f'{k}: {w / sum(rest.values()):.4f}' for k, w in rest.items())}}}")
+    return out
+
+
+def ablation_file(folder: Path, seeds: int, scale: float, planted: str) -> Path:
     recipe = load_recipe(REPO / "configs" / "tiny.yaml")
     shared = [f"pretrain.phases.{i}.tokens={int(p.tokens * scale)}" for i, p in enumerate(recipe.pretrain.phases)]
     shared += [f"evaluation.checkpoint_tasks=[{', '.join(TASKS)}]", "evaluation.model_tasks=[]"]
-    no_math = []
-    for i, p in enumerate(recipe.pretrain.phases):
-        rest = {k: w for k, w in p.mixture.items() if k != "math"}
-        no_math.append(f"pretrain.phases.{i}.mixture={{{', '.join(f'{k}: {w / sum(rest.values()):.4f}' for k, w in rest.items())}}}")
     spec = {
-        "name": "verdicts",
+        "name": f"verdicts_{planted}",
         "base": str(REPO / "configs" / "tiny.yaml"),
-        "description": "null ablations and a planted effect (no math in pretraining), for bench/verdicts.py",
+        "description": f"null ablations and a planted effect ({planted}), for bench/verdicts.py",
         "until": "pretrain",
         "seeds": seeds,
         "seed_key": "pretrain.seed",  # curation stays shared
         "set": shared,
-        "variants": [{"name": VARIANTS[0], "set": []}, {"name": VARIANTS[1], "set": no_math}],
+        "variants": [{"name": "recipe", "set": []}, {"name": planted, "set": planted_change(planted)}],
     }
     path = folder / "verdicts.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -75,8 +83,9 @@ def score(items: Items) -> float:
 
 
 def judge(base: Items, other: Items, floor_from: list[Items], lower: bool) -> str:
+    """One seed against one seed, as an ablation with one seed per variant would judge, the floor from other seeds."""
     p = paired([base], [other])
-    return verdict(p.diff, p.ci95, noise_floor([score(i) for i in floor_from]), lower)
+    return verdict(p.diff, p.ci95, noise_floor([score(i) for i in floor_from], 1, 1), lower)
 
 
 def fewest_items(base: Items, other: Items, which: str, rng: np.random.Generator) -> int | None:
@@ -100,39 +109,42 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--scale", type=float, default=0.1, help="share of the tiny recipe's pretraining tokens")
-    parser.add_argument("--run-dir", default="runs/ablations/verdicts")
+    parser.add_argument("--planted", choices=("no_math", "math25"), default="no_math")
+    parser.add_argument("--run-dir", help="default: runs/ablations/verdicts_PLANTED")
     args = parser.parse_args()
-    root = Path(args.run_dir)
+    root = Path(args.run_dir or f"runs/ablations/verdicts_{args.planted}")
     root.mkdir(parents=True, exist_ok=True)
-    path = ablation_file(root, args.seeds, args.scale)
+    path = ablation_file(root, args.seeds, args.scale, args.planted)
+    variants = ("recipe", args.planted)
     started = time.time()
     subprocess.run([str(Path(sys.executable).parent / "smolflow"), "ablate", str(path), "--run-dir", str(root)], check=True, cwd=REPO)
     seconds = time.time() - started
-    runs = {v: [base_items(root / (f"{v}-seed{s}" if args.seeds > 1 else v)) for s in range(args.seeds)] for v in VARIANTS}
+    runs = {v: [base_items(root / (f"{v}-seed{s}" if args.seeds > 1 else v)) for s in range(args.seeds)] for v in variants}
     rng = np.random.default_rng(0)
     print(f"ablation: 2 variants x {args.seeds} seeds at {args.scale:g} of the tiny recipe's tokens, {seconds:,.0f} s on this machine")
     print(f"{'task':22}{'null verdicts':>18}{'planted found':>16}{'items: paired':>16}{'unpaired':>10}")
     for task, lower in TASKS.items():
         nulls = []
-        for v in VARIANTS:
+        for v in variants:
             for a, b in itertools.combinations(range(args.seeds), 2):
                 others = [runs[v][s][task] for s in range(args.seeds) if s not in (a, b)]
                 nulls.append(judge(runs[v][a][task], runs[v][b][task], others, lower))
         false = sum(v.split(" ")[0] in ("better", "worse") for v in nulls)
         planted = []
         for a, b in itertools.product(range(args.seeds), repeat=2):
-            others = [runs[VARIANTS[0]][s][task] for s in range(args.seeds) if s != a]
-            planted.append(judge(runs[VARIANTS[0]][a][task], runs[VARIANTS[1]][b][task], others, lower))
-        worse = sum(v.startswith("worse") for v in planted)  # no math: worse on math
-        pairs = [(runs[VARIANTS[0]][s][task], runs[VARIANTS[1]][s][task]) for s in range(args.seeds)]
+            others = [runs[variants[0]][s][task] for s in range(args.seeds) if s != a]
+            planted.append(judge(runs[variants[0]][a][task], runs[variants[1]][b][task], others, lower))
+        expected = "worse" if args.planted == "no_math" else "better"  # on math: less math is worse, more is better
+        found = sum(v.startswith(expected) for v in planted)
+        pairs = [(runs[variants[0]][s][task], runs[variants[1]][s][task]) for s in range(args.seeds)]
         need = {w: [fewest_items(a, b, w, rng) for a, b in pairs] for w in ("paired", "unpaired")}
         median = {w: (f"{int(np.median([n for n in ns if n]))}" if any(ns) else "never") for w, ns in need.items()}
         print(
-            f"{task:22}{f'{false}/{len(nulls)} ({false / len(nulls):.0%})':>18}{f'{worse}/{len(planted)} ({worse / len(planted):.0%})':>16}"
+            f"{task:22}{f'{false}/{len(nulls)} ({false / len(nulls):.0%})':>18}{f'{found}/{len(planted)} ({found / len(planted):.0%})':>16}"
             f"{median['paired']:>16}{median['unpaired']:>10}"
         )
-    means = {v: {t: np.mean([score(r[t]) for r in runs[v]]) for t in TASKS} for v in VARIANTS}
-    print("means: " + "; ".join(f"{v}: " + ", ".join(f"{t} {m:.4f}" for t, m in means[v].items()) for v in VARIANTS))
+    means = {v: {t: np.mean([score(r[t]) for r in runs[v]]) for t in TASKS} for v in variants}
+    print("means: " + "; ".join(f"{v}: " + ", ".join(f"{t} {m:.4f}" for t, m in means[v].items()) for v in variants))
     print("items: median over seed pairs of the fewest items at which the interval excludes 0 in 4 of 5 random subsets")
 
 

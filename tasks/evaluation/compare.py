@@ -10,8 +10,8 @@ averaged over seeds and divided by sqrt(n).
 A difference is compared over the items both variants answered where every seed kept its items
 (tasks/evaluation/stats.py: a paired bootstrap, McNemar's test for right/wrong items, the unpaired
 interval beside it); otherwise its interval is diff +- 1.96 sqrt(SE_a^2 + SE_b^2). The baseline's
-seeds measure the noise floor (their mean pairwise difference): "better" or "worse" needs the interval
-to exclude 0 and the difference to exceed that floor.
+seeds measure the noise floor (the difference seeds alone exceed 5% of the time: stats.noise_floor):
+"better" or "worse" needs the interval to exclude 0 and the difference to exceed that floor.
 """
 
 from __future__ import annotations
@@ -126,9 +126,9 @@ def compare_rows(rows: list[Row], variants: list[str], baseline: str) -> list[di
     table = []
     for row in rows:
         base_mean, base_se = row.summary(baseline)
-        floor = noise_floor([s.value for s in row.scores[baseline]])
         lower = row.metric in LOWER_IS_BETTER
         for variant in variants:
+            floor = noise_floor([s.value for s in row.scores[baseline]], len(row.scores[baseline]), len(row.scores[variant]))
             mean, se = row.summary(variant)
             entry = {
                 "model": row.model,
@@ -263,7 +263,7 @@ def publish_comparison(
         lines += [
             "",
             "Paired: over the items both variants answered (bootstrap; McNemar's p for right/wrong items; the smallest "
-            "difference it detects 80% of the time in brackets). Noise floor: the mean difference between two seeds of the baseline.",
+            "difference it detects 80% of the time in brackets). Noise floor: what the baseline's seeds alone exceed 5% of the time.",
         ]
         if any(e["seeds_only"] and e["stderr"] is not None for e in table):
             lines += ["", "† spread over seeds only: lm-eval gives no standard error for this metric, so item sampling is not in it."]

@@ -13,7 +13,6 @@ a comparison that ignores the pairing would report.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import combinations
 
 import numpy as np
 
@@ -83,12 +82,17 @@ def paired(base: list[Items], other: list[Items]) -> Paired | None:
     return Paired(diff, interval, (float(welch.low), float(welch.high)), len(ids), float(mde), p)
 
 
-def noise_floor(values: list[float]) -> float | None:
-    """The typical difference between two seeds of the same variant: the mean absolute pairwise difference
-    of their scores; None with fewer than two seeds (nothing measured)."""
+def noise_floor(values: list[float], n_base: int, n_other: int) -> float | None:
+    """What seeds alone move a difference by: the difference between a mean over N_BASE seeds and one over N_OTHER
+    seeds of the same variant exceeds it in 5% of such comparisons (Student's t on the spread of VALUES, the
+    baseline's seed scores; scipy). None with fewer than two seeds: nothing measured. A paired interval over
+    items sees only item sampling; two seeds are two models, and this is how far apart they fall."""
+    from scipy import stats
+
     if len(values) < 2:
         return None
-    return float(np.mean([abs(a - b) for a, b in combinations(values, 2)]))
+    spread = float(np.std(values, ddof=1))
+    return float(stats.t.ppf(0.975, len(values) - 1) * spread * np.sqrt(1 / n_base + 1 / n_other))
 
 
 def verdict(diff: float, ci95: tuple[float, float], floor: float | None, lower_is_better: bool) -> str:
