@@ -11,7 +11,8 @@ base models' per-item outcomes, judged as `smolflow ablate` judges (tasks/evalua
 - power: every (recipe, no math) pair of seeds, the floor from the recipe's other seeds;
 (each run's last checkpoint, the base model's weights)
 - items: on each planted pair, the fewest held-out items (random subsets, doubling) at which the paired interval
-  excludes 0, and the same for the unpaired interval.
+  excludes 0, and the same for the unpaired interval;
+- the ablation itself: all seeds against all, and the noise floor 2, 3, 5 or 8 seeds per variant would give.
 Usage:  .venv/bin/python bench/verdicts.py [--seeds 5] [--scale 0.1] [--planted no_math|math25] [--run-dir DIR]
 """
 
@@ -142,6 +143,15 @@ def main() -> None:
         print(
             f"{task:22}{f'{false}/{len(nulls)} ({false / len(nulls):.0%})':>18}{f'{found}/{len(planted)} ({found / len(planted):.0%})':>16}"
             f"{median['paired']:>16}{median['unpaired']:>10}"
+        )
+    n = args.seeds
+    for task, lower in TASKS.items():  # the ablation itself: every seed of each variant, as `smolflow ablate` judges it
+        p = paired([r[task] for r in runs[variants[0]]], [r[task] for r in runs[variants[1]]])
+        floor = noise_floor([score(r[task]) for r in runs[variants[0]]], n, n)
+        floors = ", ".join(f"{k} seeds {noise_floor([score(r[task]) for r in runs[variants[0]]], k, k):.4f}" for k in (2, 3, 5, 8))
+        print(
+            f"{task}: {n} seeds vs {n}: {p.diff:+.4f} [{p.ci95[0]:+.4f}, {p.ci95[1]:+.4f}], noise floor {floor:.4f}: "
+            f"{verdict(p.diff, p.ci95, floor, lower)} (floor with k seeds per variant: {floors})"
         )
     means = {v: {t: np.mean([score(r[t]) for r in runs[v]]) for t in TASKS} for v in variants}
     print("means: " + "; ".join(f"{v}: " + ", ".join(f"{t} {m:.4f}" for t, m in means[v].items()) for v in variants))
