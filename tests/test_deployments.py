@@ -223,7 +223,9 @@ def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_e
     assert checkpoint_tokens and checkpoint_tokens[0] > 0
     card = (run_dir / "reports" / "card.md").read_text()
     assert "## Pretraining" in card and "## Evaluations" in card and "## Post-training ladder" in card and "_not run yet_" not in card
-    assert {p.name for p in (run_dir / "reports" / "plots").glob("*.png")} == {"pretrain.png", "evals.png", "postrain.png", "wall_time.png"}
+    plots = {p.name for p in (run_dir / "reports" / "plots").glob("*.png")}
+    assert plots == {"pretrain.png", "evals.png", "audit.png", "postrain.png", "wall_time.png"}
+    assert "## Early-signal checks" in card and "| smol_arithmetic_cf | acc |" in card, "the audit over the run's checkpoints"
 
     # a single stage rerun through its own deployment: finished steps are skipped, its model is not re-evaluated
     sft_mtime = (run_dir / "sft" / "manifest.json").stat().st_mtime
