@@ -76,8 +76,7 @@ def paired(base: list[Items], other: list[Items]) -> Paired | None:
     p = None
     binary = all(len(runs) == 1 for runs in (base, other)) and np.all(da == 1) and np.isin(na, (0, 1)).all() and np.isin(nb, (0, 1)).all()
     if binary:
-        table = [[int(((na == 1) & (nb == 1)).sum()), int(((na == 1) & (nb == 0)).sum())], [int(((na == 0) & (nb == 1)).sum()), 0]]
-        table[1][1] = int(((na == 0) & (nb == 0)).sum())
+        table = [[int(((na == x) & (nb == y)).sum()) for y in (1, 0)] for x in (1, 0)]  # base right/wrong x other right/wrong
         p = float(mcnemar(table, exact=True).pvalue)
     return Paired(diff, interval, (float(welch.low), float(welch.high)), len(ids), float(mde), p)
 
