@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -42,6 +43,48 @@ LONGEST_FIRST = ["test_cluster.py", "test_deployments.py", "test_pretrain.py", "
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-durations", type=int, default=0, metavar="N", help="list the N tests that used the most CPU")
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process and of every descendant waited for so far (a server a fixture stops counts then)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    item.stash[CPU_START] = cpu_s()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    report = yield
+    if call.when == "teardown":  # setup, call and teardown together: a module fixture counts for its first test
+        report.user_properties.append(("cpu_s", cpu_s() - item.stash[CPU_START]))
+    return report
+
+
+CPU_START = pytest.StashKey[float]()
+CPU_USED: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for key, value in report.user_properties:
+        if key == "cpu_s":  # on the controller too: pytest-xdist sends each worker's reports with their properties
+            CPU_USED[report.nodeid] = value
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    top = config.getoption("--cpu-durations")
+    if top and CPU_USED:
+        terminalreporter.write_sep("=", f"most CPU: {top} tests of {len(CPU_USED)}, {sum(CPU_USED.values()):.0f} CPU s in all")
+        for nodeid, seconds in sorted(CPU_USED.items(), key=lambda kv: -kv[1])[:top]:
+            terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")
 
 
 @pytest.fixture(autouse=True)
