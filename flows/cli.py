@@ -294,16 +294,19 @@ def publish(
     """Upload a finished model folder to the Hugging Face hub, with its model card and the eval results recorded
     since the step finished. Needs the network and a token (HF_TOKEN or `hf auth login`); smolflow runs offline
     by default, so run it as `HF_HUB_OFFLINE=0 smolflow publish ...`."""
+    from flows.graph import build_graph
+    from flows.pipeline import source_recipe
     from tasks.card import publish as upload
     from tasks.card import publish_card
 
     try:
-        folder, card = publish_card(run_dir, step)
+        steps = [s.name for s in build_graph(source_recipe(str(run_dir), None)).steps]
+        folder, files, card = publish_card(run_dir, step, steps)
         if card_only:
             typer.echo(card)
             return
-        typer.echo(f"{folder}: uploading to {repo_id}")
-        typer.echo(upload(folder, card, repo_id, private))
+        typer.echo(f"{folder}: uploading {len(files)} files (checked against the step's manifest) to {repo_id}")
+        typer.echo(upload(folder, files, card, repo_id, private))
     except SmolflowError as err:
         _fail(err)
 

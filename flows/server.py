@@ -1,7 +1,8 @@
 """A local Prefect server, work pool, worker and crash relaunch: `smolflow server start|stop|status`.
 
-Everything lives under the project's state dir (`.smolflow/`, or $SMOLFLOW_STATE): the SQLite
-database, PREFECT_HOME, logs and PID files. The server listens on 127.0.0.1 only and asks for an
+Everything lives under the project's state dir (`.smolflow/`, or $SMOLFLOW_STATE), private to its
+user (0700, files 0600; the server and worker write with umask 077): the SQLite database with every
+flow run's parameters, logs and artifacts, PREFECT_HOME, logs and PID files. The server listens on 127.0.0.1 only and asks for an
 auth string (generated once into `.smolflow/auth`, mode 0600; `source .smolflow/env`, also 0600, gives
 it to the prefect CLI), so another local user cannot run a deployment with recipe values of theirs. `start` is
 idempotent (a running server or worker is left alone); `stop` stops workers before the server,
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from infra.env import OFFLINE_DEFAULTS
+from infra.env import OFFLINE_DEFAULTS, PRIVATE_UMASK, private_dir
 from infra.errors import SmolflowError
 
 POOL = "smolflow"
@@ -68,7 +69,7 @@ class Server:
         """The server's basic-auth string, made on first use and readable by this user only."""
         path = self.state / "auth"
         if not path.exists():
-            self.state.mkdir(parents=True, exist_ok=True)
+            private_dir(self.state)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(f"smolflow:{secrets.token_urlsafe(24)}")
@@ -110,8 +111,10 @@ class Server:
         return None
 
     def _spawn(self, name: str, command: list[str]) -> int:
-        log = open(self.state / f"{name}.log", "ab")
-        proc = subprocess.Popen(command, env=self.env(), cwd=self.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log = os.fdopen(os.open(self.state / f"{name}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
+        proc = subprocess.Popen(  # the database, its WAL and journal, Prefect's home: 0600 under the 0700 state dir
+            command, env=self.env(), cwd=self.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, umask=PRIVATE_UMASK
+        )
         self._pid_file(name).write_text(json.dumps({"pid": proc.pid, "created": psutil.Process(proc.pid).create_time()}))
         return proc.pid
 
@@ -123,10 +126,9 @@ class Server:
             return False
 
     def start(self, timeout_s: float = 180, worker: bool = True, say=print) -> None:
-        self.state.mkdir(parents=True, exist_ok=True)
+        private_dir(self.state)
         env_file = self.state / "env"
         env_file.touch(mode=0o600)
-        env_file.chmod(0o600)
         env_file.write_text(self.env_script())
         if self.pid("server") is None:
             if self.healthy():

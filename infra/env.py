@@ -1,8 +1,11 @@
 """Process-wide defaults for running offline on small machines; explicit settings win."""
 
 import os
+from pathlib import Path
 
 from infra.errors import SmolflowError
+
+PRIVATE_UMASK = 0o077  # of every process that writes the project's local state: files 0600, folders 0700
 
 OFFLINE_DEFAULTS = {
     # Prefect and the HF hub would otherwise phone home or retry unreachable hosts
@@ -95,3 +98,16 @@ def skip_deepspeed_shm_build() -> None:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def private_dir(path: Path) -> Path:
+    """PATH as a folder only its owner can enter, its files only its owner can read: local state holds every flow
+    run's parameters, logs and the server's auth string. State made by older code (0755, files 0644) is tightened."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for folder, _, files in os.walk(path):
+        os.chmod(folder, 0o700)
+        for name in files:
+            file = os.path.join(folder, name)
+            if not os.path.islink(file):
+                os.chmod(file, os.lstat(file).st_mode & 0o700)
+    return path

@@ -53,7 +53,8 @@ class Lock:
     """A held lock: the open descriptor, its lease record and the thread renewing it."""
 
     def __init__(self, path: Path, fd: int, lease_s: float, epoch: int):
-        self.path, self.fd, self.lease_s = path, fd, lease_s
+        self.path, self.fd, self.lease_s, self.pid = path, fd, lease_s, os.getpid()
+        _HELD_FDS.add(fd)
         self.record: dict[str, Any] = {
             **Proc.of().dump(),
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -116,12 +117,53 @@ class Lock:
         self._write()
 
     def release(self) -> None:
+        if os.getpid() != self.pid:
+            return  # a fork of the holder: its copy of the descriptor is closed already, the lock is the holder's
         self._stop.set()
         self._beat.join()
         with self._mutex:
             if self.lost is None and self._ours():
                 self.path.unlink(missing_ok=True)  # still holding it: a waiter that opened this file sees it unlinked
+        _HELD_FDS.discard(self.fd)
         os.close(self.fd)
+
+
+# The kernel lock belongs to the open file, which a fork shares: a fork of the holder (a pool worker, a forked
+# CLI) that outlived it would keep the step locked, under the dead holder's name, until someone found and killed it.
+_HELD_FDS: set[int] = set()
+
+
+def _close_held_in_child() -> None:
+    for fd in _HELD_FDS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
+
+
+def holders(path: Path) -> list[psutil.Process]:
+    """This user's processes on this host that have PATH open: who really holds its kernel lock, whatever its lease says."""
+    try:
+        want = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return []
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.uids().real != os.getuid():
+                continue
+            for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+                info = os.stat(f"/proc/{proc.pid}/fd/{fd}")
+                if (info.st_dev, info.st_ino) == (want.st_dev, want.st_ino):
+                    found.append(proc)
+                    break
+        except (psutil.Error, OSError):
+            continue
+    return found
 
 
 def _open(path: Path) -> tuple[int, bool]:
@@ -205,6 +247,23 @@ def describe(record: dict[str, Any] | None) -> str:
         return "another process (no lease written yet)"
     age = time.time() - float(record.get("heartbeat", 0))
     return f"pid {record.get('pid')} on {record.get('host')} since {record.get('since')} (heartbeat {age:.0f} s ago)"
+
+
+def describe_holder(path: Path) -> str:
+    """Who holds the lock at PATH: its lease, and on this host the processes that really have it open where the
+    lease's process is not one of them (it died; a process it forked or handed the descriptor to holds it now)."""
+    record = holder(path)
+    said = describe(record)
+    live = [p for p in holders(path) if p.pid != os.getpid()]
+    if live and (record or {}).get("pid") not in {p.pid for p in live}:
+        procs = []
+        for p in live[:3]:
+            try:
+                procs.append(f"pid {p.pid} ({' '.join(p.cmdline())[:120]})")
+            except psutil.Error:
+                procs.append(f"pid {p.pid}")
+        said += f"; the lock is held open by {', '.join(procs)}: kill it to free the step"
+    return said
 
 
 def _parse(data: bytes) -> dict[str, Any] | None:

@@ -60,7 +60,11 @@ Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
 # Slurm values end up in batch scripts and sbatch command lines: no spaces, newlines or shell metacharacters
 SlurmWord = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.,:=/@%+-]+$")]
 SlurmTime = Annotated[str, Field(pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$", description="minutes, MM:SS, HH:MM:SS or D-HH:MM:SS")]
-SbatchArgs = dict[Annotated[str, Field(pattern=r"^[a-z][a-z-]*$")], Annotated[str, Field(pattern=r"^[A-Za-z0-9_.,:=/@%+-]*$")]]
+# extra sbatch options, from this list only: `export`, `chdir`, `output`, `wrap` or `uid` would change what the job runs or where
+SBATCH_KEYS = ("account", "qos", "constraint", "exclusive", "mem", "mem-per-cpu", "mem-per-gpu", "gres", "gpus", "gpus-per-task",
+               "cpus-per-gpu", "reservation", "nodelist", "exclude", "comment", "mail-type", "mail-user", "hint", "wckey",
+               "licenses", "switches", "network")  # fmt: skip
+SbatchArgs = dict[Literal[SBATCH_KEYS], Annotated[str, Field(pattern=r"^[A-Za-z0-9_.,:=/@%+-]*$")]]
 
 
 class SlurmCfg(Strict):
@@ -356,6 +360,7 @@ class SlurmJobCfg(Strict):
     gpus_per_node: int = Field(0, ge=0)
     signal_s: int = Field(300, gt=0, description="USR1 this long before the time limit: the ranks checkpoint and the job requeues")
     sbatch_args: SbatchArgs = {}
+    pending_hours: float = operational(24, gt=0, description="a job still waiting to start (or restart) after this long fails its task")
 
 
 class LauncherCfg(Strict):
@@ -763,8 +768,10 @@ def read_yaml(path: Path, what: str = "recipe") -> Any:
         return yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise RecipeError(f"{path}: {what} file not found") from None
-    except yaml.YAMLError as err:
-        raise RecipeError(f"{path}: not valid YAML: {err}") from None
+    except yaml.YAMLError as err:  # its place and problem only: PyYAML's message quotes the line, which may hold a secret
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
+        raise RecipeError(f"{path}: not valid YAML at {where}: {getattr(err, 'problem', None) or type(err).__name__}") from None
 
 
 def overlay(assignment: str) -> list[str]:
@@ -773,6 +780,8 @@ def overlay(assignment: str) -> list[str]:
     if not assignment.startswith("@"):
         return [assignment]
     path = Path(assignment[1:])
+    if path.suffix not in (".yaml", ".yml"):  # `@~/.aws/credentials` must not be read into a recipe, a log or a database
+        raise RecipeError(f"{path}: an overlay is a .yaml or .yml file")
     data = read_yaml(path, "overlay")
     if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
         raise RecipeError(f"{path}: an overlay is a mapping of dotted recipe keys to values")

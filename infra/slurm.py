@@ -63,9 +63,18 @@ def job_name(out: Path) -> str:
     return f"smolflow-{out.name}-{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:8]}"
 
 
+def script_path(path: Path) -> Path:
+    """PATH as it may stand in a batch script: an #SBATCH line cannot quote, so a newline in a run dir would
+    become a shell line of the job, and a space would cut the path short."""
+    if bad := sorted({c for c in str(path) if c.isspace() or not c.isprintable() or c in "\"'`$;&|<>*?#"}):
+        said = ", ".join(map(repr, bad))
+        raise SmolflowError(f"{str(path)!r}: cannot stand in a Slurm batch script (it contains {said}); choose a run dir without them")
+    return path
+
+
 def batch_script(cfg: LauncherCfg, name: str, log: Path, module: str, args: list[str], out: Path) -> str:
     """The job of a trainer whose step folder is OUT (where its ranks leave PREEMPTED_MARK)."""
-    slurm = cfg.slurm
+    slurm, log, out = cfg.slurm, script_path(log), script_path(out)
     extra = [f"#SBATCH --gpus-per-node={slurm.gpus_per_node}"] if slurm.gpus_per_node else []
     extra += [f"#SBATCH --{key}={value}" if value else f"#SBATCH --{key}" for key, value in slurm.sbatch_args.items()]
     return TEMPLATE.format(
@@ -101,8 +110,8 @@ def _run(*cmd: str, env: dict[str, str] | None = None) -> str:
 
 
 def find(name: str) -> str | None:
-    """The id of a queued or running job called `name`."""
-    ids = _run("squeue", "--noheader", f"--name={name}", "--format=%i").split()
+    """The id of our queued or running job called `name` (another user's job of that name is not ours to follow)."""
+    ids = _run("squeue", "--me", "--noheader", f"--name={name}", "--format=%i").split()
     return ids[0] if ids else None
 
 
@@ -114,8 +123,17 @@ def cancel(job: str, wait_s: float = 120) -> None:
     """scancel, then wait until the job has left the queue (its ranks no longer write)."""
     subprocess.run(["scancel", job], capture_output=True, timeout=60)
     deadline = time.time() + wait_s
-    while time.time() < deadline and state(job).name not in ENDED | {"GONE"}:
+    while time.time() < deadline:
+        try:
+            if state(job).name in ENDED | {"GONE"}:
+                return
+        except SlurmError:  # a busy controller: ask again until the deadline
+            pass
         time.sleep(1)
+
+
+class SlurmPending(SmolflowError):
+    """A job that did not start within its deadline: a retry would wait in the same queue for the same reason."""
 
 
 @dataclass(frozen=True)
@@ -138,12 +156,23 @@ def state(job: str) -> JobState:
     return JobState(fields.get("JobState", "UNKNOWN"), exit_code, int(fields.get("Restarts", 0)), fields.get("Reason", ""))
 
 
-def follow(job: str, log: Path, on_line: Callable[[str], None], poll_s: float = 2.0) -> JobState:
-    """Stream the job's output to `on_line` until it ends (requeues included); interrupted, cancel it."""
-    offset, restarts, last = 0, 0, ""
+def follow(job: str, log: Path, on_line: Callable[[str], None], pending_s: float, poll_s: float = 2.0) -> JobState:
+    """Stream the job's output to `on_line` until it ends (requeues included). A failed state lookup (a busy
+    controller: "Socket timed out on send/recv operation") is asked again with backoff and never cancels the job;
+    a job waiting to start, or to restart, longer than PENDING_S is cancelled and fails the task with Slurm's
+    reason, as is an interrupted task's job."""
+    offset, restarts, last, failures, waiting_since = 0, 0, "", 0, time.monotonic()
     try:
         while True:
-            current = state(job)
+            try:
+                current = state(job)
+                failures = 0
+            except SlurmError as err:
+                failures += 1
+                pause = min(60.0, poll_s * 2**failures)
+                on_line(f"slurm: {err}; asking again in {pause:.0f} s (the job is left alone)")
+                time.sleep(pause)
+                continue
             offset = _stream(log, offset, on_line)
             if current.restarts != restarts:
                 on_line(f"slurm: job {job} requeued (restart {current.restarts})")
@@ -154,6 +183,13 @@ def follow(job: str, log: Path, on_line: Callable[[str], None], poll_s: float = 
             if current.name in ENDED | {"GONE"}:
                 _stream(log, offset, on_line)
                 return current
+            if current.name != "PENDING":
+                waiting_since = time.monotonic()
+            elif (waited := time.monotonic() - waiting_since) > pending_s:
+                raise SlurmPending(
+                    f"Slurm job {job} has waited {waited / 3600:.2f} h to start (reason: {current.reason or 'none given'}); "
+                    f"cancelled (launcher.slurm.pending_hours: {pending_s / 3600:g})"
+                )
             time.sleep(poll_s)
     except BaseException:
         cancel(job)

@@ -45,7 +45,7 @@ from typing import Any, TypedDict, get_type_hints
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from infra.errors import SmolflowError, StepLocked, UpstreamMissing
-from infra.locks import acquire, describe, holder, holding
+from infra.locks import acquire, describe_holder, holding
 from infra.recipe import Recipe, is_operational, load_recipe, parse_recipe, recipe_dump
 from infra.storage import Mirror, StorageError, fingerprint_files, fsync_dir, fsync_tree, write_json_atomic
 from infra.summaries import Summary, read_summary
@@ -413,14 +413,14 @@ def _wait_and_build(run_dir: Path, store: Path, folder: str, status: Status, mir
         if lock is not None:
             break
         waited = time.time() - started
-        who = describe(holder(path))
         if waited >= wait_s:
+            who = describe_holder(path)
             raise StepLocked(
                 f"step {status.step.name} is being built by {who}; gave up waiting after {waited:.0f} s "
                 f"(storage.wait_for_builder_s; the lock is freed when that process exits, or, from another host, when its lease expires)"
             )
         if waited >= said:
-            log.info("step %s is being built by %s; waiting for it (%.0f s so far)", status.step.name, who, waited)
+            log.info("step %s is being built by %s; waiting for it (%.0f s so far)", status.step.name, describe_holder(path), waited)
             said += WAIT_LOG_S
         time.sleep(max(0.05, min(5.0, WAIT_LOG_S, wait_s - waited)))
     building = run_dir / PARTIAL / status.step.name  # the eval follower and the user see the build through it

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -169,6 +169,29 @@ def inside(folder: Path, rel: str) -> Path:
     if not rel or not target.is_relative_to(folder.resolve()):
         raise StorageError(f"refusing remote key {rel!r}: it would be written outside {folder}")
     return folder / rel
+
+
+def verified_files(root: Path, records: Mapping[str, Mapping[str, Any]], prefix: str) -> list[Path]:
+    """The files under ROOT, each checked against its RECORDS entry (PREFIX + its relative path; fsync_tree's size
+    and MD5), before they leave the machine: a link, a file the records do not list, or one they list that is
+    missing or changed is refused by name."""
+    files, problems, found = [], [], []
+    for folder, dirs, names in os.walk(root):  # never into a linked folder
+        found += [Path(folder) / name for name in dirs + names if (Path(folder) / name).is_symlink() or name in names]
+    for path in sorted(found):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            problems.append(f"{rel} is a link")
+        else:
+            want = records.get(prefix + rel)
+            if want is None or want["size"] != path.stat().st_size or want.get("md5") != file_digest(path, "md5"):
+                problems.append(f"{rel} {'is not in the manifest' if want is None else 'differs from the manifest'}")
+            files.append(path)
+    listed = {key.removeprefix(prefix) for key in records if key.startswith(prefix)}
+    problems += [f"{rel} is missing" for rel in sorted(listed - {p.relative_to(root).as_posix() for p in files})]
+    if problems:
+        raise SmolflowError(f"{root}: does not match its manifest: {'; '.join(problems[:5])}" + (" ..." if len(problems) > 5 else ""))
+    return files
 
 
 def get_verified(fs, key: str, dest: Path, size: int | None, md5: str | None = None) -> None:

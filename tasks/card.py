@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from infra.errors import SmolflowError
 from infra.steps import FINAL, MANIFEST, StepOutput, folder_step_id, identity, read_manifest, version
+from infra.storage import verified_files
 from infra.summaries import ChatDataSummary, PhaseSummary, Summary, TrainedSummary, read_summary
 from postrain.data import sign_slips_note
 
@@ -199,24 +200,32 @@ def write_card(out: Path, config: BaseModel, summary: Summary, inputs: Mapping[s
     return path
 
 
-def publish_card(run_dir: Path, name: str) -> tuple[Path, str]:
-    """The finished step's model folder and its card with the lm-eval results recorded since (for `smolflow publish`)."""
+def publish_card(run_dir: Path, name: str, steps: Iterable[str]) -> tuple[Path, list[Path], str]:
+    """Finished step NAME's model folder, its files checked against its manifest, and its card with the lm-eval
+    results recorded since (for `smolflow publish`). STEPS: the run's graph; NAME must be one of them, and its
+    folder the version the run's store holds (no `..`, no other run's step, no link out of it)."""
     from tasks.evaluation.results import ResultStore, local_fingerprint
 
+    if name not in (steps := list(steps)):
+        raise SmolflowError(f"{name!r} is not a step of the run at {run_dir}; its steps: {', '.join(steps)}")
     step = run_dir / name
     manifest = read_manifest(step)
     if manifest is None or not (step / FINAL / "config.json").is_file():
         found = sorted(p.parent.parent.name for p in run_dir.glob(f"*/{FINAL}/config.json") if read_manifest(p.parent.parent))
         raise SmolflowError(f"{step}: no finished model folder (final/ of a finished step); finished here: {', '.join(found) or 'none'}")
-    folder = step / FINAL
+    home = version(run_dir, name, manifest["step_id"])
+    if step.resolve() != home.resolve():
+        raise SmolflowError(f"{step} leads to {step.resolve()}, not to its version in the run's store ({home})")
+    folder = home / FINAL
+    files = verified_files(folder, manifest.get("files", {}), f"{FINAL}/")
     record = ResultStore(str(run_dir / "evals" / "results")).get(local_fingerprint(folder)) or {}
     folders = [version(run_dir, n, sid) for n, sid in manifest.get("lineage", [])]
     lineage = [typed(m, folder) for folder in folders if (m := read_manifest(folder))]
-    return folder, render(folder, name, manifest["step_id"], run_dir, [*lineage, typed(manifest, step)], record.get("tasks", {}))
+    return folder, files, render(folder, name, manifest["step_id"], run_dir, [*lineage, typed(manifest, step)], record.get("tasks", {}))
 
 
-def publish(folder: Path, card: str, repo_id: str, private: bool) -> str:
-    """Upload FOLDER with CARD as its README.md to the hub in one commit; the URL of the commit."""
+def publish(folder: Path, files: list[Path], card: str, repo_id: str, private: bool) -> str:
+    """Upload FILES of FOLDER (publish_card's, checked) with CARD as its README.md to the hub in one commit; the URL of the commit."""
     from huggingface_hub import CommitOperationAdd, HfApi, constants, get_token
 
     if constants.HF_HUB_OFFLINE:
@@ -232,8 +241,11 @@ def publish(folder: Path, card: str, repo_id: str, private: bool) -> str:
     except OSError as err:  # requests' ConnectionError is an OSError
         raise SmolflowError(f"cannot reach the hub at {constants.ENDPOINT} to create {repo_id}: {type(err).__name__}") from None
     # TRL's pickled training arguments stay local: a pickle is code to whoever loads it
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (CARD, "training_args.bin"))
-    ops = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p)) for p in files]
+    ops = [
+        CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
+        for p in files
+        if p.name not in (CARD, "training_args.bin")
+    ]
     ops.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
     info = api.create_commit(repo_id, ops, commit_message=f"smolflow: {folder.parent.name}")
     return info.commit_url

@@ -215,7 +215,7 @@ def run_slurm_job(
         log.info("pretrain %s: submitted Slurm job %s (%s)", phase, job, script)
     else:
         log.info("pretrain %s: following Slurm job %s, submitted by an earlier attempt", phase, job)
-    end = slurm.follow(job, job_log, on_line or log.info)
+    end = slurm.follow(job, job_log, on_line or log.info, pending_s=launcher.slurm.pending_hours * 3600)
     if end.name != "COMPLETED":
         log.warning("pretrain %s: Slurm job %s ended %s (exit code %s)", phase, job, end.name, end.exit_code)
     return PREEMPTED if end.name in ("TIMEOUT", "PREEMPTED", "NODE_FAIL") else end.exit_code

@@ -147,3 +147,19 @@ def test_everything_filtered_out_fails_with_counts(tmp_path, prefect_server):
     with gzip.open(next((tmp_path / "run" / ingest_step.name / "data" / "raw").glob("*.jsonl.gz")), "rt") as f:
         assert len(f.readlines()) == 5
     assert not (tmp_path / "run" / filter_step.name / "manifest.json").exists()
+
+
+def test_a_run_dir_or_sbatch_option_that_would_change_a_batch_script_is_refused(tmp_path):
+    """A newline in a run dir became a shell line of the job; `sbatch_args: {export: ALL,LD_PRELOAD=...}` was taken."""
+    from infra import slurm
+    from infra.errors import SmolflowError
+    from infra.recipe import LauncherCfg, RecipeError
+
+    launcher = LauncherCfg(kind="slurm")
+    out = tmp_path / "run\ntouch owned" / "pretrain_phase1-ab12"
+    with pytest.raises(SmolflowError, match=r"cannot stand in a Slurm batch script \(it contains '\\n', ' '\)"):
+        slurm.batch_script(launcher, slurm.job_name(out), out / "slurm.log", "model.train", ["job.json"], out)
+    script = slurm.batch_script(launcher, "n", tmp_path / "ok" / "slurm.log", "model.train", ["a b"], tmp_path / "ok")
+    assert f"#SBATCH --output={tmp_path}/ok/slurm.log" in script and "'a b'" in script
+    with pytest.raises(RecipeError, match="sbatch_args.export"):
+        parse_recipe(micro_recipe(**{"pretrain.launcher.slurm.sbatch_args": {"export": "ALL,LD_PRELOAD=/tmp/x.so"}}), "micro")

@@ -4,6 +4,7 @@ failed ranks and time-outs named, no job left behind."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -293,10 +294,44 @@ def test_a_job_requeues_when_srun_reports_the_kill_of_a_slower_rank_not_preempte
     script.write_text(jobs.batch_script(slurm_launcher(), jobs.job_name(out), out / "slurm.log", "stand_in", [], out))
     job = jobs.submit(script, {**launch_env(slurm_launcher()), "PYTHONPATH": str(tmp_path)})
     lines: list[str] = []
-    end = jobs.follow(job, out / "slurm.log", lines.append)
+    end = jobs.follow(job, out / "slurm.log", lines.append, pending_s=600)
     assert end.name == "COMPLETED", "\n".join(lines)
     assert any("requeueing job" in line and f"({PREEMPTED})" not in line for line in lines), "\n".join(lines)  # srun said otherwise
     assert sum("resumed" in line for line in lines) == 2 and not (out / PREEMPTED_MARK).exists()
+
+
+def test_a_busy_controller_never_cancels_a_job_and_a_job_that_cannot_start_fails_with_slurms_reason(slurm, tmp_path, monkeypatch):
+    """`scontrol show job` that fails as a busy controller does ("Socket timed out on send/recv operation") once
+    made the task cancel a healthy job; a job PENDING forever hung its task."""
+    from infra import slurm as jobs
+
+    out = tmp_path / "phase"
+    out.mkdir()
+    (tmp_path / "stand_in.py").write_text("import time; time.sleep(4); print('done', flush=True)\n")
+    real = shutil.which("scontrol")
+    (tmp_path / "bin").mkdir()
+    wrapper = tmp_path / "bin" / "scontrol"  # the first three lookups time out, as on a busy controller
+    wrapper.write_text(
+        f'#!/bin/bash\nif [ "$1 $2" = "show job" ]; then\n  n=$(cat {tmp_path}/calls 2>/dev/null || echo 0); echo $((n + 1)) > {tmp_path}/calls\n'
+        '  if [ "$n" -lt 3 ]; then echo "slurm_load_jobs error: Socket timed out on send/recv operation" >&2; exit 1; fi\nfi\n'
+        f'exec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    script = out / "job.sbatch"
+    launcher = slurm_launcher()
+    script.write_text(jobs.batch_script(launcher, jobs.job_name(out), out / "slurm.log", "stand_in", [], out))
+    job = jobs.submit(script, {**launch_env(launcher), "PYTHONPATH": str(tmp_path)})
+    lines: list[str] = []
+    end = jobs.follow(job, out / "slurm.log", lines.append, pending_s=600, poll_s=0.5)
+    assert end.name == "COMPLETED" and sum("done" in line for line in lines) == 2, "\n".join(lines)  # 2 ranks
+    assert sum("Socket timed out" in line and "left alone" in line for line in lines) == 3
+
+    later = subprocess.run(["sbatch", "--parsable", "--begin=now+1hour", str(script)], capture_output=True, text=True, check=True)
+    job = later.stdout.strip().split(";")[0]  # waits for its start time: PENDING (BeginTime)
+    with pytest.raises(jobs.SlurmPending, match=r"waited 0\.00 h to start \(reason: BeginTime\); cancelled"):
+        jobs.follow(job, out / "slurm.log", lines.append, pending_s=3, poll_s=0.5)
+    assert jobs.find(jobs.job_name(out)) is None and slurm.jobs() == [], "the job that could not start is cancelled"
 
 
 # --- the deployed pipeline on both engines --------------------------------------------------------

@@ -186,6 +186,64 @@ def test_an_empty_lock_file_is_a_holder_between_create_and_first_write_until_it_
     held.release()
 
 
+FORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from infra.locks import acquire
+
+    lock = acquire(Path(sys.argv[1]))
+    if os.fork() == 0:  # a forked child (a pool worker, a fork of the CLI) that outlives its parent
+        time.sleep(120)
+        os._exit(0)
+    print("held", flush=True)
+    time.sleep(120)
+    """
+)
+HANDER = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from pathlib import Path
+    from infra.locks import acquire
+
+    lock = acquire(Path(sys.argv[1]))  # hands its descriptor on explicitly: a child that really holds the lock
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], pass_fds=[lock.fd])
+    print(child.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_a_fork_of_a_killed_holder_does_not_keep_its_lock_and_a_stuck_lock_names_the_process_that_holds_it(tmp_path):
+    """A fork of a SIGKILLed `smolflow stage curate` slept on, sharing the step's lock, and every relaunch for 20
+    minutes failed naming the dead process."""
+    lock = tmp_path / "step.lock"
+    parent = subprocess.Popen([sys.executable, "-c", FORKER, str(lock)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert parent.stdout.readline().strip() == "held"
+    fork = [p for p in psutil.Process(parent.pid).children() if p.pid != parent.pid]
+    assert fork, "the fork is alive"
+    parent.kill()
+    parent.wait()
+    taken = acquire(lock)
+    try:
+        assert taken is not None, "the fork left the lock of its dead parent"
+    finally:
+        for p in fork:
+            p.kill()
+        if taken:
+            taken.release()
+
+    hander = subprocess.Popen([sys.executable, "-c", HANDER, str(lease_file(tmp_path))], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    child = int(hander.stdout.readline())
+    hander.kill()
+    hander.wait()
+    try:
+        with pytest.raises(StepLocked, match=rf"held open by pid {child} \(.*time.sleep"):
+            run_step(tmp_path / "run", Step("train", "test", lambda c, i, o: {}, Cfg()), {}, wait_s=0)
+    finally:
+        psutil.Process(child).kill()
+
+
 STALLER = textwrap.dedent(
     """
     import sys, time

@@ -119,8 +119,12 @@ def test_the_server_refuses_requests_without_its_auth_string(server):
     with pytest.raises(urllib.error.HTTPError, match="401"):
         api(server, "/deployments/filter", {}, auth=False)
     assert api(server, "/deployments/filter", {})  # with it: the deployments
-    for name in ("auth", "env"):
-        assert (server.state / name).stat().st_mode & 0o077 == 0, f"{name} is readable by others"
+    state = [server.state, *server.state.rglob("*")]  # the database and its WAL, logs, PREFECT_HOME, auth, env
+    assert {"auth", "env", "prefect.db", "server.log", "worker.log"} <= {p.name for p in state}
+    readable = [
+        f"{p.relative_to(server.state)} {p.stat().st_mode & 0o777:o}" for p in state if not p.is_symlink() and p.stat().st_mode & 0o077
+    ]
+    assert not readable, f"readable by other users: {readable}"
 
 
 def set_state(server: Server, run_id: str, kind: str, name: str | None = None, at: str | None = None) -> None:

@@ -119,6 +119,19 @@ def test_lm_eval_scores_a_model_once_per_content(tmp_path, heldout):
     assert wider.task_groups(ref) == [(["smol_word_problems_cf"], False)]
 
 
+def test_scoring_a_model_starts_no_machine_report_processes(tmp_path, heldout, monkeypatch):
+    """lm-eval ran `pip list`, `cmake --version` and `lsb_release` for every model it scored (0.4-2.2 s of CPU each)."""
+    from tasks.evaluation.harness import run_tasks
+
+    started = []
+    popen = subprocess.Popen.__init__
+    monkeypatch.setattr(subprocess.Popen, "__init__", lambda self, args, *a, **kw: started.append(str(args)) or popen(self, args, *a, **kw))
+    include = prepare_tasks(EvalCfg().task_dirs, heldout, tmp_path / "tasks")
+    scores = run_tasks(save_micro_model(tmp_path / "model", seed=1), ["smol_arithmetic_cf"], include, EvalCfg(limit=2), chat=False)
+    assert 0 <= scores["smol_arithmetic_cf"]["acc"] <= 1
+    assert not [args for args in started if "pip" in args or "cmake" in args or "lsb_release" in args], started
+
+
 def test_generative_scores_are_the_same_with_the_vllm_and_the_transformers_backends(tmp_path, heldout, vllm_sft):
     """lm-eval through vLLM's CPU build and through transformers, temperature 0, the chat template applied."""
     scores = {}

@@ -209,23 +209,27 @@ def test_publish_uploads_the_folder_with_its_card_and_later_evals_to_a_mock_hub(
     from huggingface_hub import HfApi
 
     from infra.errors import SmolflowError
+    from infra.storage import fsync_tree
     from tasks.card import publish, publish_card
     from tasks.evaluation.results import ResultStore, local_fingerprint
 
     run = tmp_path / "run"
-    shutil.copytree(base, run / "sft" / "final")
-    (run / "sft" / "final" / "training_args.bin").write_bytes(b"pickle")
+    home = run / "steps" / "sft-s1"  # the one layout: RUN/NAME links the version in the run's store
+    shutil.copytree(base, home / "final")
+    (home / "final" / "training_args.bin").write_bytes(b"pickle")
+    (run / "sft").symlink_to(Path("steps") / "sft-s1")
     evaluation = HeldoutEval(items=8, accuracy=0.5, mean_answer_tokens=12.0, answered=1.0, by_family={"arithmetic": 0.5}, examples=[])
     summary = TrainedSummary(eval=evaluation)
-    manifest = {"name": "sft", "step_id": "s1", "config": {"sft": {"max_steps": 7}}, "lineage": []}
+    manifest = {"name": "sft", "step_id": "s1", "config": {"sft": {"max_steps": 7}}, "lineage": [], "files": fsync_tree(home)}
     manifest |= {"summary": summary.model_dump(mode="json"), "summary_schema": summary.schema_name()}
-    (run / "sft" / "manifest.json").write_text(json.dumps(manifest))
+    (home / "manifest.json").write_text(json.dumps(manifest))
     folder = run / "sft" / "final"
     before = local_fingerprint(folder)
     (run / "evals" / "results").mkdir(parents=True)
     metrics = {"metrics": {"exact_match/answer": 0.25, "exact_match_stderr/answer": 0.05}}
     (run / "evals" / "results" / f"{before}.json").write_text(json.dumps({"tasks": {"smol_arithmetic_gen": metrics}}))
     assert ResultStore(str(run / "evals" / "results")).get(before)
+    steps = ["chat_data", "sft", "grpo"]
 
     calls = []
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("repo", repo_id, kw)))
@@ -233,13 +237,26 @@ def test_publish_uploads_the_folder_with_its_card_and_later_evals_to_a_mock_hub(
     monkeypatch.setenv("HF_TOKEN", "hf_dummy")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(SmolflowError, match="HF_HUB_OFFLINE"):
-        publish(*publish_card(run, "sft"), "me/tiny-sft", private=True)
+        publish(*publish_card(run, "sft", steps), "me/tiny-sft", private=True)
     assert not calls, "nothing is sent offline"
     with pytest.raises(SmolflowError, match="no finished model folder.*finished here: sft"):
-        publish_card(run, "grpo")
+        publish_card(run, "grpo", steps)
+    for name in ("../run/sft", str(home), "steps/sft-s1"):  # a path, another folder: only a step of the run's graph
+        with pytest.raises(SmolflowError, match="is not a step of the run"):
+            publish_card(run, name, steps)
+    weights = home / "final" / "model.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # one bit flipped after the step committed
+    with pytest.raises(SmolflowError, match="model.safetensors differs from the manifest"):
+        publish_card(run, "sft", steps)
+    weights.write_bytes(original)
+    (home / "final" / "extra").symlink_to(tmp_path / "elsewhere")  # a link out of the step
+    with pytest.raises(SmolflowError, match="extra is a link"):
+        publish_card(run, "sft", steps)
+    (home / "final" / "extra").unlink()
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    url = publish(*publish_card(run, "sft"), "me/tiny-sft", private=True)
+    url = publish(*publish_card(run, "sft", steps), "me/tiny-sft", private=True)
     assert url == _Commit.commit_url and calls[0] == ("repo", "me/tiny-sft", {"private": True, "exist_ok": True})
     ops = {op.path_in_repo: op for op in calls[1][2]}
     weights = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {"training_args.bin"}

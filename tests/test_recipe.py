@@ -130,3 +130,16 @@ def test_missing_file_and_bad_yaml(tmp_path):
     (tmp_path / "broken.yaml").write_text("name: [unclosed\n")
     with pytest.raises(RecipeError, match="not valid YAML"):
         load_recipe(tmp_path / "broken.yaml")
+
+
+def test_an_overlay_is_a_yaml_file_and_no_error_quotes_a_files_contents(tmp_path):
+    """`@~/.aws/credentials` as an overlay once printed the key id; in a deployment run it lands in the database."""
+    secret = "AKIAQUOTEDNEVER12345"
+    credentials = tmp_path / "credentials"
+    credentials.write_text(f"[default]\naws_access_key_id = {secret}\n")
+    with pytest.raises(RecipeError, match="an overlay is a .yaml or .yml file") as refused:
+        load_recipe(REPO / "configs" / "micro.yaml", [f"@{credentials}"])
+    (tmp_path / "keys.yaml").write_text(f"storage.mirror: s3://b\n  key: {secret}: x\n")
+    with pytest.raises(RecipeError, match=r"keys.yaml: not valid YAML at line 2, column \d+") as broken:
+        load_recipe(REPO / "configs" / "micro.yaml", [f"@{tmp_path / 'keys.yaml'}"])
+    assert secret not in str(refused.value) + str(broken.value)
