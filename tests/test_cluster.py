@@ -311,8 +311,9 @@ def test_a_busy_controller_never_cancels_a_job_and_a_job_that_cannot_start_fails
     real = shutil.which("scontrol")
     (tmp_path / "bin").mkdir()
     wrapper = tmp_path / "bin" / "scontrol"  # the first three lookups time out, as on a busy controller
+    calls = tmp_path / "calls"
     wrapper.write_text(
-        f'#!/bin/bash\nif [ "$1 $2" = "show job" ]; then\n  n=$(cat {tmp_path}/calls 2>/dev/null || echo 0); echo $((n + 1)) > {tmp_path}/calls\n'
+        f'#!/bin/bash\nif [ "$1 $2" = "show job" ]; then\n  n=$(cat {calls} 2>/dev/null || echo 0)\n  echo $((n + 1)) > {calls}\n'
         '  if [ "$n" -lt 3 ]; then echo "slurm_load_jobs error: Socket timed out on send/recv operation" >&2; exit 1; fi\nfi\n'
         f'exec {real} "$@"\n'
     )
