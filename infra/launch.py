@@ -3,7 +3,9 @@
 No rank may outlive the task that launched it, or a relaunch would train beside it. torchrun starts
 its workers in new sessions, so killing the launcher or its process group leaves ranks running;
 `run_streaming` therefore kills the process tree (children first) when the command ends badly or
-the task is cancelled. When the task process itself is SIGKILLed no `finally` runs: the launcher is
+the task is cancelled; cancelled, the ranks first get SIGTERM and a grace period to checkpoint, as
+Slurm gives a preempted job (the launchers in between are not signalled: their death would kill the
+ranks at once, through PR_SET_PDEATHSIG). When the task process itself is SIGKILLed no `finally` runs: the launcher is
 tethered to it (infra/procs.py), the ranks watch it, and the step lock records the launcher so the
 next holder kills a tree that still lives.
 """
@@ -12,11 +14,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 from infra.env import thread_count
 from infra.locks import lease_env, record_child
@@ -91,8 +97,11 @@ def launch_env(cfg: LauncherCfg | AccelerateCfg, extra: dict[str, str] | None = 
     return env
 
 
-def run_streaming(command: list[str], env: dict[str, str], on_line: Callable[[str], None], cwd: str | None = None) -> int:
-    """Run `command`, passing each line of its output (stdout and stderr) to `on_line`; returns the exit code."""
+def run_streaming(
+    command: list[str], env: dict[str, str], on_line: Callable[[str], None], cwd: str | None = None, grace_s: float = 0
+) -> int:
+    """Run `command`, passing each line of its output (stdout and stderr) to `on_line`; returns the exit code.
+    Cancelled or interrupted, its ranks get SIGTERM and GRACE_S to checkpoint and exit before the tree is killed."""
     proc = subprocess.Popen(tethered(command), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     try:
         record_child(proc.pid)
@@ -101,5 +110,55 @@ def run_streaming(command: list[str], env: dict[str, str], on_line: Callable[[st
         return proc.wait()
     finally:
         if proc.poll() is None:  # cancelled or interrupted: no rank may survive the task
-            kill_tree(proc.pid)
+            drain = threading.Thread(target=_drain, args=(proc.stdout, on_line), daemon=True)
+            drain.start()  # the ranks' last lines (their checkpoint) still reach the log, and a full pipe never blocks them
+            stop_tree(proc.pid, command, grace_s, on_line)
+            drain.join(timeout=5)
         proc.stdout.close()
+
+
+def stop_tree(pid: int, command: list[str], grace_s: float, on_line: Callable[[str], None]) -> None:
+    """SIGTERM the ranks under PID (the deepest processes running COMMAND's module, below any launcher), wait up to
+    GRACE_S for them to checkpoint and exit, then kill the whole tree."""
+    flags = [i for i, arg in enumerate(command[:-1]) if arg in ("-m", "--module")]
+    module = command[flags[-1] + 1] if flags else None  # the last: torchrun is itself `-m torch.distributed.run`
+    try:
+        tree = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
+    except psutil.NoSuchProcess:
+        return
+    runs = [p for p in tree if module and _runs(p, module)]
+    ranks = [p for p in runs if not any(_runs(c, module) for c in _children(p))]
+    if ranks and grace_s > 0:
+        on_line(f"stopping: SIGTERM to {len(ranks)} rank(s) of {module}, {grace_s:.0f} s to checkpoint and exit")
+        for rank in ranks:
+            try:
+                rank.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(ranks, timeout=grace_s)
+        if alive:
+            on_line(f"stopping: {len(alive)} rank(s) still running after {grace_s:.0f} s: killed")
+    kill_tree(pid)
+
+
+def _drain(stream, on_line: Callable[[str], None]) -> None:
+    try:
+        for line in stream:
+            on_line(line.rstrip())
+    except Exception:  # noqa: BLE001  the log of a task being cancelled: nothing left to tell
+        pass
+
+
+def _runs(proc: psutil.Process, module: str) -> bool:
+    try:
+        cmd = proc.cmdline()
+    except psutil.Error:
+        return False
+    return module in cmd
+
+
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children(recursive=True)
+    except psutil.Error:
+        return []

@@ -351,6 +351,9 @@ class SpikeCfg(Strict):
     warmup_steps: int = Field(20, ge=0, description="no checks before the running mean settles")
 
 
+STOP_GRACE = "a cancelled task's ranks get SIGTERM, checkpoint and exit; after this long they are killed"
+
+
 class SlurmJobCfg(Strict):
     """The trainer's batch job (`launcher.kind: slurm`): `nodes` x `launcher.nproc` ranks started by srun."""
 
@@ -376,6 +379,7 @@ class LauncherCfg(Strict):
     threads_per_rank: int = operational(2, gt=0)
     hostfile: str | None = operational(None)
     slurm: SlurmJobCfg = operational(SlurmJobCfg())
+    stop_grace_s: float = operational(120, ge=0, description=STOP_GRACE)
 
 
 class ParallelCfg(Strict):
@@ -576,6 +580,7 @@ class AccelerateCfg(Strict):
 
     nproc: int = operational(1, gt=0, description="ranks (one per GPU)")
     threads_per_rank: int = operational(2, gt=0)
+    stop_grace_s: float = operational(120, ge=0, description=STOP_GRACE)
     zero_stage: int = Field(
         0, ge=0, le=3, description="DeepSpeed ZeRO stage (0: plain DDP); a change is no resume: the checkpoint formats differ"
     )

@@ -186,8 +186,44 @@ def cpu_lm_head() -> None:
     trl_utils._ChunkedLogProbFunction = Head
 
 
+class Stopped(Exception):
+    """Training stopped on a signal after saving a checkpoint (postrain/run.py exits with PREEMPTED)."""
+
+
+def stop_on_signal():
+    """A trainer callback: after SIGTERM (a cancel, a preemption) or SIGUSR1 (Slurm's warning before the time limit)
+    the step in progress finishes, a checkpoint is saved and training stops, as pretraining does. The ranks agree on
+    the stop each step (a rank signalled a step later would otherwise wait in a collective the others left)."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    class StopOnSignal(TrainerCallback):
+        def __init__(self) -> None:
+            self.why: str | None = None
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, self._set)
+
+        def _set(self, signum, frame) -> None:
+            self.why = f"received {signal.Signals(signum).name}"
+
+        def on_step_end(self, args, state, control, **kwargs):
+            flag = torch.tensor([1.0 if self.why else 0.0])
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item():
+                self.why = self.why or "another rank was signalled"
+                control.should_save = control.should_training_stop = True
+            return control
+
+    return StopOnSignal()
+
+
 def train_and_save(trainer, out: Path, curves: dict[str, str]) -> dict[str, Any]:
-    """Train from the newest complete checkpoint in `out` (if any), save `out/final`, return the logged curves."""
+    """Train from the newest complete checkpoint in `out` (if any), save `out/final`, return the logged curves.
+    Signalled (stop_on_signal), it saves a checkpoint and raises Stopped: a retry resumes there."""
     cpu_lm_head()
     resume = last_complete_checkpoint(out / CHECKPOINTS)
     state = json.loads((Path(resume) / "trainer_state.json").read_text()) if resume else {}
@@ -199,7 +235,11 @@ def train_and_save(trainer, out: Path, curves: dict[str, str]) -> dict[str, Any]
         save_final(trainer, out / FINAL, checkpoint=resume)
         history = state["log_history"]
     else:
+        stop = stop_on_signal()
+        trainer.add_callback(stop)
         trainer.train(resume_from_checkpoint=resume)
+        if stop.why:
+            raise Stopped(f"{stop.why}: checkpoint-{trainer.state.global_step} saved; exiting for a retry to resume")
         save_final(trainer, out / FINAL)
         history = trainer.state.log_history
     return {"resumed_from": resume, **{name: loss_history(history, key) for name, key in curves.items()}}

@@ -2,7 +2,8 @@
 
 tasks/postrain.py writes the job and launches this on `postrain.launcher.nproc` ranks; every rank
 trains, and rank 0 writes `result.json` beside the job once `final` is saved: without it the
-launch did not finish, and a retry resumes from the newest complete checkpoint.
+launch did not finish, and a retry resumes from the newest complete checkpoint. SIGTERM or SIGUSR1
+makes the ranks save a checkpoint and exit with PREEMPTED (postrain/common.py `stop_on_signal`).
 """
 
 from __future__ import annotations
@@ -10,15 +11,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
 from infra.env import skip_deepspeed_shm_build
-from infra.procs import die_with_parent, watch_owner
+from infra.procs import PREEMPTED, die_with_parent, watch_owner
 from infra.recipe import PostrainCfg
 from infra.storage import write_json_atomic
+from postrain.common import Stopped
 from postrain.data import read_jsonl
 
 RESULT = "result.json"
@@ -66,16 +69,22 @@ def main() -> None:
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # `accelerate launch` with a DeepSpeed config
         skip_deepspeed_shm_build()
     job = PostJob.model_validate_json(args.job.read_text())
-    result = run(job)
+    try:
+        result = run(job)
+    except Stopped as stopped:  # signalled: a checkpoint is saved, every rank stopped at the same step
+        print(stopped, flush=True)
+        result = None
     from accelerate import PartialState
 
     state = PartialState()
-    if state.is_main_process:
+    if state.is_main_process and result is not None:
         write_json_atomic(Path(job.out) / RESULT, result)
     # every rank leaves the process group together: a rank exiting with gloo's threads still up aborts
     # ("terminate called without an active exception"), and the launcher reports the whole launch failed
     state.wait_for_everyone()
     state.destroy_process_group()
+    if result is None:
+        sys.exit(PREEMPTED)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pydantic import create_model
 
 from infra.errors import TrainerFailed
 from infra.launch import accelerate_command, free_port, launch_env, run_streaming
+from infra.procs import PREEMPTED
 from infra.recipe import AccelerateCfg, ChatDataCfg, GenerationCfg, PreferenceCfg, Recipe, Strict, TrainerCfg
 from infra.steps import FINAL, NoInputs, Step, StepOutput
 from infra.storage import write_json_atomic
@@ -128,7 +129,10 @@ def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, dat
     bf16 = torch.cuda.is_available()  # as trl_args decides on the ranks
     command = accelerate_command(cfg.launcher, "postrain.run", [str(out / "job.json")], out / "accelerate.json", free_port(), bf16)
     log.info("%s on %d rank(s), ZeRO-%d: %s", stage, cfg.launcher.nproc, cfg.launcher.zero_stage, " ".join(command))
-    code = run_streaming(command, launch_env(cfg.launcher, {"TQDM_MININTERVAL": "15"}), log.info)  # progress every 15 s
+    env = launch_env(cfg.launcher, {"TQDM_MININTERVAL": "15"})  # progress every 15 s
+    code = run_streaming(command, env, log.info, grace_s=cfg.launcher.stop_grace_s)
+    if code == PREEMPTED:
+        raise TrainerFailed(f"{stage}: the trainer was signalled (cancel, preemption), checkpointed and exited; a retry resumes")
     if code != 0 or not result.is_file():
         raise TrainerFailed(f"{stage}: the trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint")
     return json.loads(result.read_text())

@@ -189,7 +189,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
     else:
         command = launch_command(cfg.launcher, "model.train", [str(job_path)], port=free_port())
         log.info("pretrain %s: %s", t.phase, " ".join(command))
-        code = run_streaming(command, env, log.info)
+        code = run_streaming(command, env, log.info, grace_s=cfg.launcher.stop_grace_s)
     summary = out / "summary.json"  # written last, by rank 0, once the phase is done
     if code == PREEMPTED:
         raise TrainerFailed(f"pretrain {t.phase}: the trainer was signalled (preemption, cancel), checkpointed and exited; a retry resumes")

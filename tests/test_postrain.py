@@ -561,15 +561,24 @@ def rank_processes() -> dict[int, int]:
     return ranks
 
 
+@pytest.fixture(scope="module")
+def two_rank_losses(base, tmp_path_factory) -> dict[int, float]:
+    """An uninterrupted SFT launch on 2 ranks, 60 steps: the losses the interrupted ones must reproduce."""
+    from tasks.postrain import train
+
+    out = tmp_path_factory.mktemp("two-ranks") / "ref"
+    cfg, sft, data = launched_sft(out, 2, max_steps=60, save_steps=10)
+    return dict(map(tuple, train(cfg, "sft", sft, base, data, out)["loss"]))
+
+
 @pytest.mark.slow
-def test_sigkill_of_one_rank_fails_the_launch_and_the_retry_resumes_with_the_same_losses(base, tmp_path):
+def test_sigkill_of_one_rank_fails_the_launch_and_the_retry_resumes_with_the_same_losses(base, tmp_path, two_rank_losses):
     import threading
 
     from infra.errors import TrainerFailed
     from tasks.postrain import train
 
-    cfg, sft, data = launched_sft(tmp_path / "ref", 2, max_steps=60, save_steps=10)
-    reference = dict(map(tuple, train(cfg, "sft", sft, base, data, tmp_path / "ref")["loss"]))
+    reference = two_rank_losses
     killed = tmp_path / "killed"
     cfg, sft, data = launched_sft(killed, 2, max_steps=60, save_steps=10)
     errors = []
@@ -589,6 +598,52 @@ def test_sigkill_of_one_rank_fails_the_launch_and_the_retry_resumes_with_the_sam
     assert resumed["resumed_from"] is not None and int(resumed["resumed_from"].rsplit("-", 1)[1]) >= 20
     after = dict(map(tuple, resumed["loss"]))
     assert max(after) == 60 and all(after[s] == pytest.approx(reference[s], rel=1e-4) for s in after)
+
+
+class Cancelled(Exception):
+    """What a Prefect cancel raises in the task's thread."""
+
+
+@pytest.mark.slow
+def test_a_cancelled_launch_sigterms_its_ranks_which_checkpoint_together_and_the_retry_resumes_with_the_same_losses(
+    base, tmp_path, two_rank_losses
+):
+    """A cancel once SIGKILLed the ranks: everything since the last periodic checkpoint (every 1000 steps here) was lost."""
+    from infra.launch import accelerate_command, free_port, launch_env, run_streaming
+    from postrain.run import PostJob
+    from tasks.postrain import train
+
+    out = tmp_path / "cancelled"
+    cfg, sft, data = launched_sft(out, 2, max_steps=60, save_steps=1000)
+    job = PostJob(stage="sft", model=str(base), data=str(data), config=sft.model_dump(), out=str(out), seed=cfg.seed)
+    (out / "job.json").write_text(job.model_dump_json())
+    command = accelerate_command(cfg.launcher, "postrain.run", [str(out / "job.json")], out / "accelerate.json", free_port(), False)
+    lines: list[str] = []
+
+    def cancel_after_two_logs(line: str) -> None:
+        lines.append(line)
+        if "'loss'" in line and sum("'loss'" in seen for seen in lines) == 2:  # steps 2 and 4 logged
+            raise Cancelled
+
+    with pytest.raises(Cancelled):
+        run_streaming(command, launch_env(cfg.launcher), cancel_after_two_logs, grace_s=120)
+    said = "\n".join(lines)
+    assert not psutil_children(), f"no rank outlives the cancel:\n{said}"
+    saved = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("checkpoint-*"))
+    assert len(saved) == 1 and 4 <= saved[0] < 60, f"one checkpoint, at the step the ranks agreed on: {saved}\n{said}"
+    assert not (out / "result.json").exists() and not (out / "final").exists()
+    assert "stopping: SIGTERM to 2 rank(s) of postrain.run" in said and "received SIGTERM: checkpoint-" in said, said
+    resumed = train(cfg, "sft", sft, base, data, out)
+    assert resumed["resumed_from"].endswith(f"checkpoint-{saved[0]}")
+    after = {s: loss for s, loss in map(tuple, resumed["loss"]) if s >= saved[0] + 2}  # logged over 2 steps, both resumed
+    assert max(after) == 60 and len(after) >= 20
+    assert all(after[s] == pytest.approx(two_rank_losses[s], rel=1e-4) for s in after), {s: (after[s], two_rank_losses[s]) for s in after}
+
+
+def psutil_children() -> list:
+    import psutil
+
+    return [p for p in psutil.Process().children(recursive=True) if "postrain.run" in " ".join(p.cmdline())]
 
 
 @pytest.mark.slow
