@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from infra.env import apply_offline_defaults, cores
+from infra.recipe import Strict
+from infra.steps import NoInputs
+from infra.summaries import Summary
 from tests.helpers import REPO
 
 apply_offline_defaults()
@@ -143,10 +146,14 @@ def s3_server():
             os.environ[k] = v
 
 
-@pytest.fixture(scope="session")
-def vllm_sft(tmp_path_factory) -> Path:
+def shared_root(tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this session sees (their base temps are its children)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def build_vllm_sft(cfg: Strict, inputs: NoInputs, out: Path) -> Summary:
     """A tiny model that vLLM can serve, briefly fine-tuned (answers that are not empty), with its early copy as the weak model."""
-    pytest.importorskip("vllm")
     from infra.recipe import ModelCfg, SFTCfg
     from model.network import build_model, model_config
     from postrain import data as chat
@@ -155,12 +162,22 @@ def vllm_sft(tmp_path_factory) -> Path:
 
     # vLLM's CPU attention kernels take head sizes of 32 and up: a tiny SmolLM3 with 2 heads of 32
     arch = ModelCfg(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
-    root = tmp_path_factory.mktemp("vllm")
     texts = [m["content"] for item in chat.generate(2000, {"arithmetic": 0.5, "word_problem": 0.5}, 49, 0) for m in item["messages"]]
-    tok = bpe.save_hf(bpe.train_bpe(iter(texts * 3), vocab_size=400, min_frequency=2), root / "base")
+    tok = bpe.save_hf(bpe.train_bpe(iter(texts * 3), vocab_size=400, min_frequency=2), out / "base")
     special = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    build_model(model_config(arch, len(tok), 256, special_ids=special), seed=0).save_pretrained(root / "base")
-    cfg = SFTCfg(learning_rate=3e-3, max_steps=240, batch_size=16, save_steps=240, logging_steps=40, weak_checkpoint_step=20, max_length=96)
+    build_model(model_config(arch, len(tok), 256, special_ids=special), seed=0).save_pretrained(out / "base")
+    sft = SFTCfg(learning_rate=3e-3, max_steps=240, batch_size=16, save_steps=240, logging_steps=40, weak_checkpoint_step=20, max_length=96)
     # sums of numbers up to 9: learnt well enough in 240 steps that some answers are right
-    run_sft(str(root / "base"), chat.generate(2000, {"arithmetic": 1.0}, 9, 3), cfg, root / "sft", seed=0)
-    return root / "sft"
+    run_sft(str(out / "base"), chat.generate(2000, {"arithmetic": 1.0}, 9, 3), sft, out / "sft", seed=0)
+    return Summary()
+
+
+@pytest.fixture(scope="session")
+def vllm_sft(tmp_path_factory) -> Path:
+    """build_vllm_sft's model, built once per `make test` through a store every worker shares: the first worker to
+    need it builds it, the others wait for its lock and link it (read it only)."""
+    pytest.importorskip("vllm")
+    from infra.steps import Step, run_step
+
+    built = run_step(shared_root(tmp_path_factory) / "shared", Step("vllm_sft", "test", build_vllm_sft, Strict()), {})
+    return built.path / "sft"
