@@ -270,22 +270,25 @@ class CheckpointStore:
     def unmirrored(self) -> list[str]:
         return sorted(self._failed)
 
-    def close(self, wait_s: float = 0.0) -> list[str]:
-        """Wait for queued uploads (and up to WAIT_S for failed ones to go through); returns those still failing."""
+    def close(self, wait_s: float = 60.0) -> list[str]:
+        """Wait up to WAIT_S, no longer, for queued and failing uploads; the checkpoints the mirror still lacks (a
+        later store's `latest()` queues them again). A mirror that hangs (an S3 blackhole) once kept rank 0 here
+        while the other ranks sat in a barrier: the uploader is a daemon thread, left behind past the deadline."""
         if self._uploader is None:
             return []
         deadline = time.time() + wait_s
-        self._queue.join()
-        while self._failed and time.time() < deadline:
-            for tag in sorted(self._failed):
-                self._queue.put(tag)
-            self._queue.join()
-            if self._failed:
+        while (self._queue.unfinished_tasks or self._failed) and time.time() < deadline:
+            if self._failed and not self._queue.unfinished_tasks:  # retry failed ones now, not after the loop's pause
+                for tag in sorted(self._failed):
+                    self._queue.put(tag)
                 time.sleep(min(self._retry_s[0], max(0.0, deadline - time.time())))
+            time.sleep(0.05)
+        lacking = sorted({*self._failed, *(t for t in self.local_tags() if t not in self._uploaded)})
         self._queue.put(None)
-        self._uploader.join()
-        self.prune()
-        return self.unmirrored()
+        self._uploader.join(timeout=max(0.0, deadline - time.time()))
+        if not self._uploader.is_alive():
+            self.prune()
+        return lacking
 
 
 class MirrorBehind(SmolflowError):

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -526,6 +527,35 @@ def fake_checkpoint(store: CheckpointStore, step: int) -> None:
     staged.mkdir(parents=True)
     (staged / "optim.pt").write_bytes(os.urandom(1000))
     store.commit(f"step{step:08d}", step, {})
+
+
+BLACKHOLE = "import socket, sys, time; s = socket.create_server(('127.0.0.1', int(sys.argv[1]))); c = [s.accept() for _ in range(99)]"
+
+
+def test_closing_a_checkpoint_store_is_bounded_when_the_mirror_hangs(tmp_path, monkeypatch):
+    """An S3 endpoint that accepts connections and never answers once kept rank 0 in `close()` (the queue joined
+    before any deadline) while the other ranks waited in a barrier."""
+    port = free_port()
+    hole = subprocess.Popen([sys.executable, "-c", BLACKHOLE, str(port)])
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.time() < deadline, "the blackhole did not listen"
+                time.sleep(0.1)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # credentials, so that requests are sent (and never answered)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
+        mirror = Mirror("s3://bucket/run", S3Cfg(endpoint_url=f"http://127.0.0.1:{port}"))
+        store = CheckpointStore(tmp_path / "ckpt", keep_last=1, mirror=mirror, remote_name="phase/checkpoints")
+        fake_checkpoint(store, 10)
+        started = time.time()
+        assert store.close(wait_s=2) == ["step00000010"], "the checkpoint the mirror lacks is named"
+        assert time.time() - started < 10 and (tmp_path / "ckpt" / "step00000010").is_dir(), "its only copy is kept"
+    finally:
+        hole.kill()
 
 
 def test_failed_uploads_retry_on_their_own_and_an_outage_is_capped(tmp_path):
