@@ -169,6 +169,22 @@ def test_models_pending_at_once_are_scored_in_one_child_and_a_failing_one_is_rep
     assert ev.store.get(local_fingerprint(broken)) is None
 
 
+def test_a_child_that_replies_other_than_done_and_lives_on_is_killed_not_waited_for(tmp_path, monkeypatch):
+    """The parent waited on such a child with no timeout."""
+    from tasks.evaluation import harness
+
+    monkeypatch.setattr(harness, "REPLY_GRACE_S", 1)
+    worker = EvalWorker(tmp_path / "tasks", EvalCfg(), tmp_path / "logs")
+    talker = "import sys, time; sys.stdin.readline(); print('oops', flush=True); time.sleep(120)"
+    started = time.time()
+    worker.proc = subprocess.Popen([sys.executable, "-c", talker], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+    worker.log = tmp_path / "child.log"
+    worker.log.write_text("")
+    [result] = worker.run([EvalJob(model="m", tasks=["t"], chat=False, out=str(tmp_path / "out.json"))])
+    assert "killed after replying b'oops" in result["error"] and time.time() - started < 30
+    assert worker.proc is None, "the child is gone"
+
+
 def test_the_follower_scores_successive_batches_in_one_child_and_a_dead_child_is_replaced(tmp_path, heldout):
     """The child's imports (~11 s of CPU) are paid once per follower, not once per batch of checkpoints beside the trainer."""
     ev = evaluator(tmp_path, heldout, EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=4, poll_seconds=0.5))

@@ -227,6 +227,9 @@ class EvalJob:
     out: str
 
 
+REPLY_GRACE_S = 30  # a child whose reply is not "done" gets this long to exit before it is killed
+
+
 class EvalWorker:
     """A niced child process that scores batches of jobs until `close`: `run(jobs)` returns, per job,
     {"metrics", "seconds"} or {"error"} (a job that fails leaves the others scored; a child that dies or
@@ -264,8 +267,13 @@ class EvalWorker:
         if not answered:
             proc.kill()
             died = f"evaluating {models} took over {self.cfg.timeout_minutes:g} min (evaluation.timeout_minutes): killed"
-        elif proc.stdout.readline() != b"done\n":
-            died = f"evaluating {models} failed (exit {proc.wait()}; its output: {self.log}):\n{self._log_tail()}"
+        elif (reply := proc.stdout.readline()) != b"done\n":
+            try:  # it ended, or said something else and lives on: either way it is done with this batch
+                code = proc.wait(timeout=REPLY_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = f"{proc.wait()}, killed after replying {reply[:80]!r}"
+            died = f"evaluating {models} failed (exit {code}; its output: {self.log}):\n{self._log_tail()}"
         if died or self.cfg.backend == "vllm":
             self.close(keep_log=bool(died))
         missing = {"error": died or "the evaluation child wrote no results"}
