@@ -652,9 +652,15 @@ class Run:
             write_json_atomic(root / RECIPE, recipe_dump(new))
             (root / _OWNER_FILE).write_text(owner or "")
             _OPENED[root.resolve()] = new
-            if run.mirror is not None:  # beside the store it mirrors, under the run's name
-                run.mirror.put_file(root / RECIPE, f"{RUNS}/{root.name}/{RECIPE}")
+            if run.mirror is not None:  # beside the store it mirrors, under the run's name; an outage never holds the run
+                threading.Thread(target=run._mirror_recipe, daemon=True, name="mirror recipe.json").start()
         return run
+
+    def _mirror_recipe(self) -> None:
+        try:
+            self.mirror.put_file(self.run_dir / RECIPE, f"{RUNS}/{self.run_dir.name}/{RECIPE}")
+        except StorageError as err:
+            log.warning("run %s: %s not mirrored (%s); the run goes on, the next open mirrors it", self.run_dir, RECIPE, err)
 
     @classmethod
     def _make(cls, recipe: Recipe, root: Path, changes: tuple = (), prepare: bool = True) -> Run:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -532,11 +534,13 @@ def fake_checkpoint(store: CheckpointStore, step: int) -> None:
 BLACKHOLE = "import socket, sys, time; s = socket.create_server(('127.0.0.1', int(sys.argv[1]))); c = [s.accept() for _ in range(99)]"
 
 
-def test_closing_a_checkpoint_store_is_bounded_when_the_mirror_hangs(tmp_path, monkeypatch):
-    """An S3 endpoint that accepts connections and never answers once kept rank 0 in `close()` (the queue joined
-    before any deadline) while the other ranks waited in a barrier."""
+@contextmanager
+def blackhole(monkeypatch) -> Iterator[str]:
+    """An S3 endpoint that accepts connections and never answers; credentials, so that requests are sent."""
     port = free_port()
     hole = subprocess.Popen([sys.executable, "-c", BLACKHOLE, str(port)])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
     try:
         deadline = time.time() + 30
         while True:
@@ -546,16 +550,33 @@ def test_closing_a_checkpoint_store_is_bounded_when_the_mirror_hangs(tmp_path, m
             except OSError:
                 assert time.time() < deadline, "the blackhole did not listen"
                 time.sleep(0.1)
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # credentials, so that requests are sent (and never answered)
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
-        mirror = Mirror("s3://bucket/run", S3Cfg(endpoint_url=f"http://127.0.0.1:{port}"))
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        hole.kill()
+
+
+def test_closing_a_checkpoint_store_is_bounded_when_the_mirror_hangs(tmp_path, monkeypatch):
+    """An S3 endpoint that never answers once kept rank 0 in `close()` (the queue joined before any deadline)
+    while the other ranks waited in a barrier."""
+    with blackhole(monkeypatch) as endpoint:
+        mirror = Mirror("s3://bucket/run", S3Cfg(endpoint_url=endpoint))
         store = CheckpointStore(tmp_path / "ckpt", keep_last=1, mirror=mirror, remote_name="phase/checkpoints")
         fake_checkpoint(store, 10)
         started = time.time()
         assert store.close(wait_s=2) == ["step00000010"], "the checkpoint the mirror lacks is named"
         assert time.time() - started < 10 and (tmp_path / "ckpt" / "step00000010").is_dir(), "its only copy is kept"
-    finally:
-        hole.kill()
+
+
+def test_opening_a_run_never_waits_on_its_mirror(tmp_path, monkeypatch):
+    """`Run.open` uploaded recipe.json before anything ran: an S3 outage held runs whose steps are all local."""
+    from infra.steps import RECIPE, Run
+    from tests.helpers import micro_recipe, write_recipe
+
+    with blackhole(monkeypatch) as endpoint:
+        path = write_recipe(tmp_path / "r.yaml", micro_recipe(**{"storage.mirror": "s3://b/m", "storage.s3.endpoint_url": endpoint}))
+        started = time.time()
+        run = Run.open(str(path), str(tmp_path / "run"))
+        assert time.time() - started < 10 and (run.run_dir / RECIPE).is_file()
 
 
 def test_failed_uploads_retry_on_their_own_and_an_outage_is_capped(tmp_path):
