@@ -185,6 +185,31 @@ def test_a_child_that_replies_other_than_done_and_lives_on_is_killed_not_waited_
     assert worker.proc is None, "the child is gone"
 
 
+def test_the_follower_rides_out_a_storage_outage_and_gives_up_on_one_that_outlasts_training(tmp_path, heldout):
+    """A failed listing of the mirror once ended the eval follower for the rest of the run."""
+    from infra.storage import StorageError
+    from tasks.evaluation.runner import MIRROR_ROUNDS
+
+    ev = evaluator(tmp_path, heldout, EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], poll_seconds=0.01))
+    stop, scans = threading.Event(), []
+
+    def flaky():  # two failed listings, then the mirror answers and training ends
+        scans.append(1)
+        if len(scans) <= 2:
+            raise StorageError("list s3://m/runs: failed after 4 attempts: EndpointConnectionError")
+        stop.set()
+        return []
+
+    summary = ev.follow(flaky, stop)
+    assert len(scans) == 4 and not summary.failed  # the round that set stop, then the final round
+
+    def down():
+        raise StorageError("list s3://m/runs: failed after 4 attempts: EndpointConnectionError")
+
+    summary = ev.follow(down, stop)  # training is over and the outage goes on: it ends, saying so
+    assert f"{MIRROR_ROUNDS} rounds failed" in summary.failed["(storage)"]
+
+
 def test_the_follower_scores_successive_batches_in_one_child_and_a_dead_child_is_replaced(tmp_path, heldout):
     """The child's imports (~11 s of CPU) are paid once per follower, not once per batch of checkpoints beside the trainer."""
     ev = evaluator(tmp_path, heldout, EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=4, poll_seconds=0.5))

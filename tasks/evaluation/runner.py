@@ -19,7 +19,7 @@ from pathlib import Path
 
 from infra.env import cores
 from infra.recipe import EvalCfg, S3Cfg
-from infra.storage import Mirror, download_folder
+from infra.storage import Mirror, StorageError, download_folder
 from model.checkpoint import mark_evaluated
 from tasks.evaluation.harness import EvalFailed, EvalJob, EvalWorker, keep_worker, kept_worker, tasks_without_data
 from tasks.evaluation.results import ModelRef, ResultStore, eval_key, main_metric
@@ -141,14 +141,24 @@ class Evaluator:
         """Evaluate new checkpoints as `discover` finds them, until `stop` is set and nothing is left that this
         process can score: a model another process is scoring is waited for (one poll at a time, never in a
         busy loop) while training runs, and left to that process (counted as busy) once `stop` is set."""
-        summary, started, failures = EvalSummary(), time.time(), {}
+        summary, started, failures, outage = EvalSummary(), time.time(), {}, 0
         with self.worker:
             while True:
                 finishing = stop.is_set()
-                todo = [m for m in discover() if self.task_groups(m) and failures.get(m.fingerprint, 0) < max_failures]
                 busy = len(summary.busy)
-                for fingerprint in self.evaluate(todo, summary):
-                    failures[fingerprint] = failures.get(fingerprint, 0) + 1
+                try:
+                    todo = [m for m in discover() if self.task_groups(m) and failures.get(m.fingerprint, 0) < max_failures]
+                    for fingerprint in self.evaluate(todo, summary):
+                        failures[fingerprint] = failures.get(fingerprint, 0) + 1
+                except StorageError as err:  # the mirror or the S3 result store: an outage the next round may not see
+                    outage += 1
+                    if finishing and outage >= MIRROR_ROUNDS:
+                        summary.failed["(storage)"] = f"{outage} rounds failed, the last: {err}"
+                        break
+                    self.log.warning("eval follower: storage failed (%s); trying again in %.0f s", err, self.cfg.poll_seconds)
+                    stop.wait(self.cfg.poll_seconds)
+                    continue
+                outage = 0
                 progressed = len(todo) > len(summary.busy) - busy  # some model was not left to another process
                 if finishing and not progressed:
                     break
@@ -177,6 +187,9 @@ class Evaluator:
         """Tell the trainer's checkpoint store (model/checkpoint.py) it may prune this checkpoint now."""
         if model.kind == "checkpoint" and "://" not in model.path:
             mark_evaluated(Path(model.path).parent)
+
+
+MIRROR_ROUNDS = 5  # once training is over, the follower gives up after this many rounds in a row failed by storage
 
 
 def headline(record: dict) -> str:
