@@ -9,12 +9,16 @@ Slurm: a single node from Debian's
 state dir (`.smolflow/slurm/`), never in /etc: Slurm's commands find it through `SLURM_CONF`, which
 `env()` gives and `.smolflow/env` exports, so a machine's own Slurm configuration is left alone.
 
-Ray: a head node on 127.0.0.1 (no dashboard, no usage stats), found by `ray.init(address="auto")`.
+Ray: a head node on 127.0.0.1 (no dashboard, no usage stats), found by `ray.init(address="auto")`,
+with Ray's token authentication: the token lives in `.smolflow/ray/auth_token` (0600), and only a
+process given it (`Ray.env()`, which `.smolflow/env` and the server's worker export) may join and
+run tasks as its owner; any other local user is refused.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -25,6 +29,7 @@ from pathlib import Path
 
 import psutil
 
+from infra.env import private_dir, write_private
 from infra.errors import SmolflowError
 
 PACKAGES = {"slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-client", "munged": "munge"}
@@ -195,11 +200,20 @@ class Ray:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def token(self) -> Path:
+        return self.state / "auth_token"
+
+    def env(self) -> dict[str, str]:
+        """What a process needs to join this head: its address and token (Ray reads both from the environment)."""
+        return {"RAY_ADDRESS": self.address, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token)}
+
     def _ray(self, *args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
         ray = Path(sys.executable).with_name("ray")
         if not ray.exists():
             raise SmolflowError("Ray is not installed in this environment: pip install 'smolflow[cluster]' (make setup installs it)")
-        return subprocess.run([str(ray), *args], env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+        env = {**os.environ, **self.env(), **(env or {})}
+        return subprocess.run([str(ray), *args], env=env, capture_output=True, text=True, timeout=timeout)
 
     def up(self) -> bool:
         """A closed port answers at once; `ray status` alone waits ~45 s for a GCS that is not there."""
@@ -214,13 +228,18 @@ class Ray:
         if self.up():
             say(f"Ray is already up at {self.address}")
             return
-        self.state.mkdir(parents=True, exist_ok=True)
+        private_dir(self.state)
+        if not self.token.exists():
+            write_private(self.token, secrets.token_hex(32))
         args = ["start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.port}", f"--num-cpus={os.cpu_count()}"]
         proc = self._ray(*args, "--include-dashboard=false", "--disable-usage-stats", env={"RAY_USAGE_STATS_ENABLED": "0"})
         if proc.returncode != 0:
             raise SmolflowError(f"`ray start` failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-1500:]}")
-        (self.state / "address").write_text(self.address)
-        say(f"Ray is up at {self.address}; recipes with executor.kind=ray join it (or set RAY_ADDRESS={self.address})")
+        write_private(self.state / "address", self.address)
+        say(
+            f"Ray is up at {self.address} (token auth); recipes with executor.kind=ray join it: `source {self.state.parent / 'env'}` "
+            f"or export {' '.join(f'{k}={v}' for k, v in self.env().items())}"
+        )
 
     def stop(self, say=print) -> None:
         """`ray stop` ends the Ray processes this user started on this machine."""

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from infra.env import OFFLINE_DEFAULTS, PRIVATE_UMASK, private_dir
+from infra.env import OFFLINE_DEFAULTS, PRIVATE_UMASK, private_dir, write_private
 from infra.errors import SmolflowError
 
 POOL = "smolflow"
@@ -78,8 +78,10 @@ class Server:
     def env(self) -> dict[str, str]:
         """The environment of the server, the worker and the user's Prefect commands (with the local Slurm's, if any)."""
         slurm_conf = self.state / "slurm" / "slurm.conf"  # flows/cluster.py
+        ray_token = self.state / "ray" / "auth_token"  # flows/cluster.py: the local Ray head's token
         return {
             **({"SLURM_CONF": str(slurm_conf)} if slurm_conf.exists() else {}),
+            **({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(ray_token)} if ray_token.exists() else {}),
             **OFFLINE_DEFAULTS,
             **os.environ,
             "PREFECT_HOME": str(self.state / "prefect"),
@@ -115,7 +117,7 @@ class Server:
         proc = subprocess.Popen(  # the database, its WAL and journal, Prefect's home: 0600 under the 0700 state dir
             command, env=self.env(), cwd=self.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, umask=PRIVATE_UMASK
         )
-        self._pid_file(name).write_text(json.dumps({"pid": proc.pid, "created": psutil.Process(proc.pid).create_time()}))
+        write_private(self._pid_file(name), json.dumps({"pid": proc.pid, "created": psutil.Process(proc.pid).create_time()}))
         return proc.pid
 
     def healthy(self) -> bool:
@@ -127,9 +129,7 @@ class Server:
 
     def start(self, timeout_s: float = 180, worker: bool = True, say=print) -> None:
         private_dir(self.state)
-        env_file = self.state / "env"
-        env_file.touch(mode=0o600)
-        env_file.write_text(self.env_script())
+        write_private(self.state / "env", self.env_script())
         if self.pid("server") is None:
             if self.healthy():
                 raise SmolflowError(f"port {self.port} already has a Prefect server that smolflow did not start; set SMOLFLOW_PORT")
@@ -192,6 +192,7 @@ class Server:
 
     def env_script(self) -> str:
         keep = ("PREFECT_HOME", "PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "SMOLFLOW_ROOT", "SMOLFLOW_STATE", "SLURM_CONF")
+        keep += ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
         keep += tuple(OFFLINE_DEFAULTS)
         env = self.env()
         lines = [f". {self.root / '.venv' / 'bin' / 'activate'}"] + [f"export {k}={env[k]!r}" for k in keep if k in env]

@@ -100,6 +100,14 @@ def skip_deepspeed_shm_build() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write TEXT to PATH readable by its owner only (mode 0600 from creation on, whatever the umask)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def private_dir(path: Path) -> Path:
     """PATH as a folder only its owner can enter, its files only its owner can read: local state holds every flow
     run's parameters, logs and the server's auth string. State made by older code (0755, files 0644) is tightened."""

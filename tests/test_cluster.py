@@ -47,17 +47,18 @@ def slurm(tmp_path_factory):
 def ray_head(tmp_path_factory):
     head = Ray(state=tmp_path_factory.mktemp("ray"), port=free_port())
     head.start()
-    before = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = head.address
+    before = {key: os.environ.get(key) for key in head.env()}
+    os.environ.update(head.env())  # its address and token, as `source .smolflow/env` gives them
     yield head
     import ray
 
     ray.shutdown()
     head.stop()
-    if before is None:
-        os.environ.pop("RAY_ADDRESS")
-    else:
-        os.environ["RAY_ADDRESS"] = before
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key)
+        else:
+            os.environ[key] = value
     assert not head.up()
 
 
@@ -93,6 +94,15 @@ def test_curation_on_slurm_keeps_the_same_documents_as_local(slurm, planted, tmp
 
 def test_curation_on_ray_keeps_the_same_documents_as_local(ray_head, planted, tmp_path):  # noqa: F811
     curate_and_compare(cluster_executor("ray"), planted, tmp_path)
+
+
+def test_the_ray_head_refuses_a_process_without_its_token(ray_head):
+    """Any local user could `ray.init` the head and run tasks as its owner."""
+    join = f"import ray; ray.init(address={ray_head.address!r}, log_to_driver=False)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    out = subprocess.run([sys.executable, "-c", join], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode != 0 and "InvalidAuthToken" in out.stderr, out.stderr[-2000:]
+    assert ray_head.token.stat().st_mode & 0o077 == 0 and ray_head.state.stat().st_mode & 0o077 == 0
 
 
 def test_a_failed_ray_task_fails_the_task_with_its_log(ray_head, tmp_path):

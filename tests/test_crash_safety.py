@@ -197,6 +197,7 @@ FORKER = textwrap.dedent(
 
     lock = acquire(Path(sys.argv[1]))
     if os.fork() == 0:  # a forked child (a pool worker, a fork of the CLI) that outlives its parent
+        print("forked", flush=True)  # past the fork hooks
         time.sleep(120)
         os._exit(0)
     print("held", flush=True)
@@ -222,7 +223,7 @@ def test_a_fork_of_a_killed_holder_does_not_keep_its_lock_and_a_stuck_lock_names
     minutes failed naming the dead process."""
     lock = tmp_path / "step.lock"
     parent = subprocess.Popen([sys.executable, "-c", FORKER, str(lock)], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    assert parent.stdout.readline().strip() == "held"
+    assert {parent.stdout.readline().strip(), parent.stdout.readline().strip()} == {"held", "forked"}
     fork = [p for p in psutil.Process(parent.pid).children() if p.pid != parent.pid]
     assert fork, "the fork is alive"
     parent.kill()

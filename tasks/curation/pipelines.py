@@ -171,13 +171,16 @@ def connect_ray(address: str | None) -> None:
     except ConnectionError as err:
         raise SmolflowError(
             f"no Ray cluster at {address or 'auto (RAY_ADDRESS, or the last one started here)'}: {err}; "
-            "start one with `smolflow cluster ray start` or set executor.ray_address"
+            "start one with `smolflow cluster ray start` or set executor.ray_address (its head wants its token: "
+            "`source .smolflow/env` exports RAY_AUTH_MODE and RAY_AUTH_TOKEN_PATH)"
         ) from err
 
 
 def _slurm_jobs(name: str) -> list[tuple[str, str, str]]:
     """(id, state, reason) of each queued or running job called `name`."""
-    out = subprocess.run(["squeue", "--noheader", f"--name={name}", "--format=%i|%T|%r"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["squeue", "--me", "--noheader", f"--name={name}", "--format=%i|%T|%r"], capture_output=True, text=True, timeout=60
+    )
     if out.returncode != 0:
         raise ClusterJobFailed(f"squeue failed: {out.stderr.strip()[-500:]}")
     return [tuple(line.split("|")) for line in out.stdout.split()]
