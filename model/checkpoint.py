@@ -270,22 +270,27 @@ class CheckpointStore:
     def unmirrored(self) -> list[str]:
         return sorted(self._failed)
 
-    def close(self, wait_s: float = 60.0) -> list[str]:
-        """Wait up to WAIT_S, no longer, for queued and failing uploads; the checkpoints the mirror still lacks (a
-        later store's `latest()` queues them again). A mirror that hangs (an S3 blackhole) once kept rank 0 here
-        while the other ranks sat in a barrier: the uploader is a daemon thread, left behind past the deadline."""
+    def close(self, wait_s: float = 0.0, drain_s: float = 60.0) -> list[str]:
+        """Wait for queued uploads up to max(WAIT_S, DRAIN_S), and for failing ones to go through up to WAIT_S; the
+        checkpoints the mirror still lacks (a later store's `latest()` queues them again). Never longer: a mirror
+        that hangs (an S3 blackhole) once kept rank 0 here while the other ranks sat in a barrier; the uploader is
+        a daemon thread, left behind past the deadline."""
         if self._uploader is None:
             return []
-        deadline = time.time() + wait_s
-        while (self._queue.unfinished_tasks or self._failed) and time.time() < deadline:
-            if self._failed and not self._queue.unfinished_tasks:  # retry failed ones now, not after the loop's pause
-                for tag in sorted(self._failed):
-                    self._queue.put(tag)
-                time.sleep(min(self._retry_s[0], max(0.0, deadline - time.time())))
+        started = time.time()
+        drained, deadline = started + max(wait_s, drain_s), started + wait_s
+        while self._queue.unfinished_tasks and time.time() < drained:
             time.sleep(0.05)
+        while self._failed and not self._queue.unfinished_tasks and time.time() < deadline:
+            for tag in sorted(self._failed):  # retry failed ones now, not after the upload loop's growing pause
+                self._queue.put(tag)
+            while self._queue.unfinished_tasks and time.time() < deadline:
+                time.sleep(0.05)
+            if self._failed:
+                time.sleep(min(self._retry_s[0], max(0.0, deadline - time.time())))
         lacking = sorted({*self._failed, *(t for t in self.local_tags() if t not in self._uploaded)})
         self._queue.put(None)
-        self._uploader.join(timeout=max(0.0, deadline - time.time()))
+        self._uploader.join(timeout=max(0.5, max(drained, deadline) - time.time()))
         if not self._uploader.is_alive():
             self.prune()
         return lacking

@@ -564,7 +564,7 @@ def test_closing_a_checkpoint_store_is_bounded_when_the_mirror_hangs(tmp_path, m
         store = CheckpointStore(tmp_path / "ckpt", keep_last=1, mirror=mirror, remote_name="phase/checkpoints")
         fake_checkpoint(store, 10)
         started = time.time()
-        assert store.close(wait_s=2) == ["step00000010"], "the checkpoint the mirror lacks is named"
+        assert store.close(wait_s=2, drain_s=2) == ["step00000010"], "the checkpoint the mirror lacks is named"
         assert time.time() - started < 10 and (tmp_path / "ckpt" / "step00000010").is_dir(), "its only copy is kept"
 
 
