@@ -32,9 +32,14 @@ def model_config(
 
 
 def build_model(config: SmolLM3Config, seed: int) -> SmolLM3ForCausalLM:
-    """Random init (normal, std = initializer_range) that depends on the seed only."""
+    """Random init (normal, std = initializer_range) that depends on the seed only. The embeddings are tied here
+    too: while any thread of the process is inside `from_pretrained`, transformers 5 swaps `tie_weights` for a
+    no-op class-wide (`initialization.no_tie_weights`), and a model built meanwhile came out untied."""
     torch.manual_seed(seed)
-    return for_training(SmolLM3ForCausalLM(config))
+    model = SmolLM3ForCausalLM(config)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return for_training(model)
 
 
 def for_training(model: SmolLM3ForCausalLM) -> SmolLM3ForCausalLM:

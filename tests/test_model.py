@@ -22,6 +22,17 @@ from tests.helpers import REPO, micro_recipe
 TINY = ModelCfg(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
 
+def test_a_model_built_while_another_thread_loads_one_is_tied():
+    """In a suite run a model came out untied (186,432 parameters for 167,232): another thread was loading one."""
+    from transformers.initialization import no_tie_weights
+
+    config = model_config(TINY, vocab_size=300, max_positions=128)
+    with no_tie_weights():  # what `from_pretrained` holds, for every thread, while it loads
+        model = build_model(config, seed=0)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert count_params(config) == sum(p.numel() for p in model.parameters())
+
+
 def write_source(folder: Path, docs: list[list[int]]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     np.array([t for d in docs for t in d], dtype=np.uint16).tofile(folder / "s.ds")
