@@ -26,6 +26,9 @@ $(STAMP): pyproject.toml
 	# bytecode on every core, not serially inside pip (`make setup` 247 -> 193 s on 2 cores); like pip's own
 	# pass it skips files that do not compile (torch's Python 3.12-only test file), hence `|| true`
 	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
+	# Debian's chromium for the browser test (tests/test_deployments.py), installed as root when missing
+	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || apt-get install -y -q chromium >/dev/null \
+		|| { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -311,6 +311,29 @@ def publish(
         _fail(err)
 
 
+@app.command()
+def dashboard(
+    run_dir: Annotated[Path, typer.Argument(help="A run dir, e.g. runs/tiny.", show_default=False)],
+    port: Annotated[int, typer.Option(help="Port to listen on, on 127.0.0.1 only.")] = 7860,
+) -> None:
+    """Show the run's training curves (each pretraining phase, SFT, APO, GRPO) in trackio's dashboard, served on
+    127.0.0.1 only: open the printed address here, or from another machine through `ssh -L PORT:127.0.0.1:PORT`.
+    Ctrl-C stops it. The trainers log there with pretrain.tracking / postrain.tracking: trackio (the default)."""
+    import os
+
+    from tasks.common import TRACKIO, tracking_env
+
+    projects = sorted(p.stem for p in (run_dir / TRACKIO).glob("*.db"))
+    if not projects:
+        _fail(SmolflowError(f"{run_dir / TRACKIO} holds no trackio metrics: not a run dir, or its trainers ran with tracking: none"))
+    os.environ.update(tracking_env(run_dir))  # before trackio is imported: it reads its folder then
+    import trackio
+
+    project = projects[0] if len(projects) == 1 else None  # several: the dashboard lets the user pick
+    # host and share given: trackio's defaults follow $SYSTEM (a Space: every interface) and $GRADIO_SHARE (a public tunnel)
+    trackio.show(project, host="127.0.0.1", share=False, server_port=port, open_browser=False, block_thread=True)
+
+
 @app.command("eval")
 def eval_cmd(
     source: Annotated[str, typer.Argument(help="A run dir or an s3:// prefix of mirrored checkpoints.", show_default=False)],

@@ -596,6 +596,7 @@ class PostrainCfg(Strict):
     preference: PreferenceCfg = PreferenceCfg()
     apo: APOCfg
     grpo: GRPOCfg
+    tracking: Literal["trackio", "none"] = operational("trackio")  # the trainers' curves in the run's dashboard
 
     @classmethod
     def trainer_types(cls) -> dict[str, type[TrainerCfg]]:

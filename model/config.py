@@ -61,7 +61,7 @@ class TrainConfig(Strict):
     threads: int = operational(2)
     log_every: int = operational(10)
     tracking: str = operational("trackio")
-    project: str = operational("smolflow")  # the tracking project
+    project: str = operational("smolflow")  # the trackio project
     peak_flops: float | None = operational(None)  # per rank; a matmul probe when None
     hold_unevaluated: int = operational(0)  # checkpoints kept past keep_last until the evaluator scored them
 

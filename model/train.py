@@ -282,7 +282,7 @@ class Tracker:
 
                 config = cfg.model_dump(mode="json", exclude={"samples"})
                 self.run = trackio.init(
-                    project=f"smolflow-{cfg.project}", name=cfg.phase, config=config, resume="allow", auto_log_cpu=False, auto_log_gpu=False
+                    project=cfg.project, name=cfg.phase, config=config, resume="allow", auto_log_cpu=False, auto_log_gpu=False
                 )
             except Exception as err:  # the dashboard is optional; metrics.jsonl is not
                 print(f"warning: trackio unavailable ({err}); metrics go to {self.path} only", flush=True)

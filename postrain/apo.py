@@ -18,7 +18,9 @@ from infra.recipe import APOCfg
 from postrain.common import train_and_save, trl_args
 
 
-def run_apo(model_path: str, pairs: list[dict[str, Any]], cfg: APOCfg, out: Path, seed: int) -> dict[str, Any]:
+def run_apo(
+    model_path: str, pairs: list[dict[str, Any]], cfg: APOCfg, out: Path, seed: int, tracking: dict[str, Any] | None = None
+) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     args = trl_args(
@@ -26,6 +28,7 @@ def run_apo(model_path: str, pairs: list[dict[str, Any]], cfg: APOCfg, out: Path
         cfg,
         out,
         seed,
+        tracking,
         loss_type=list(cfg.loss_type),
         loss_weights=cfg.loss_weights,
         beta=cfg.beta,

@@ -25,8 +25,17 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def trl_args(config_cls, cfg: TrainerCfg, out: Path, seed: int, **extra: Any):
-    """TRL config for `cfg` on this launch's ranks; on CPU bf16 and activation checkpointing are off (TRL defaults them on)."""
+def tracking_args(project: str | None, run: str) -> dict[str, Any]:
+    """TrainingArguments that log the trainer's curves to trackio's PROJECT (its folder: TRACKIO_DIR, set by the
+    launching task) as RUN, beside the pretraining phases; None: no dashboard. Local only: no Space is made."""
+    if project is None:
+        return {"report_to": []}
+    return {"report_to": ["trackio"], "project": project, "run_name": run, "trackio_static_space_id": False}
+
+
+def trl_args(config_cls, cfg: TrainerCfg, out: Path, seed: int, tracking: dict[str, Any] | None = None, **extra: Any):
+    """TRL config for `cfg` on this launch's ranks; on CPU bf16 and activation checkpointing are off (TRL defaults them
+    on). TRACKING: `tracking_args` (default: none)."""
     import torch
 
     cuda, ranks = torch.cuda.is_available(), world_size()
@@ -48,9 +57,9 @@ def trl_args(config_cls, cfg: TrainerCfg, out: Path, seed: int, **extra: Any):
         use_cpu=not cuda,
         bf16=cuda,
         gradient_checkpointing=False,
-        report_to=[],
         dataloader_num_workers=0,
         disable_tqdm=False,
+        **(tracking or tracking_args(None, "")),
         **extra,
     )
 

@@ -60,7 +60,9 @@ def reward_functions(cfg: GRPOCfg) -> tuple[list[Callable], list[float]]:
     return funcs, weights
 
 
-def run_grpo(model_path: str, items: list[dict[str, Any]], cfg: GRPOCfg, out: Path, seed: int) -> dict[str, Any]:
+def run_grpo(
+    model_path: str, items: list[dict[str, Any]], cfg: GRPOCfg, out: Path, seed: int, tracking: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Train on the first `cfg.prompts` ITEMS with a reference answer (none: nothing to verify)."""
     items = [i for i in items if i["answer"]][: cfg.prompts]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -76,6 +78,7 @@ def run_grpo(model_path: str, items: list[dict[str, Any]], cfg: GRPOCfg, out: Pa
         cfg,
         out,
         seed,
+        tracking,
         num_generations=cfg.num_generations,
         max_completion_length=cfg.max_completion_length,
         loss_type=cfg.loss_type,

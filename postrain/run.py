@@ -21,7 +21,7 @@ from infra.env import skip_deepspeed_shm_build
 from infra.procs import PREEMPTED, die_with_parent, watch_owner
 from infra.recipe import PostrainCfg
 from infra.storage import write_json_atomic
-from postrain.common import Stopped
+from postrain.common import Stopped, tracking_args
 from postrain.data import read_jsonl
 
 RESULT = "result.json"
@@ -34,6 +34,7 @@ class PostJob(BaseModel):
     config: dict[str, Any]  # the stage's trainer config (SFTCfg, APOCfg, GRPOCfg)
     out: str
     seed: int
+    tracking: str | None = None  # the trackio project the trainer logs its curves to (None: metrics only in result.json)
 
 
 def load_cpu_index_locations() -> None:
@@ -56,7 +57,8 @@ def run(job: PostJob) -> dict[str, Any]:
     cfg_cls = PostrainCfg.trainer_types()[job.stage]
     module, function = cfg_cls.trainer.split(":")
     trainer = getattr(importlib.import_module(module), function)
-    return trainer(job.model, read_jsonl(Path(job.data)), cfg_cls.model_validate(job.config), Path(job.out), job.seed)
+    tracking = tracking_args(job.tracking, job.stage)
+    return trainer(job.model, read_jsonl(Path(job.data)), cfg_cls.model_validate(job.config), Path(job.out), job.seed, tracking)
 
 
 def main() -> None:

@@ -31,11 +31,21 @@ class KeepEarlyCopy(TrainerCallback):
             self.done = True
 
 
-def build_trainer(model_path: str, train: list[dict[str, Any]], cfg: SFTCfg, out: Path, seed: int) -> SFTTrainer:
+def build_trainer(
+    model_path: str, train: list[dict[str, Any]], cfg: SFTCfg, out: Path, seed: int, tracking: dict[str, Any] | None = None
+) -> SFTTrainer:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     args = trl_args(
-        SFTConfig, cfg, out, seed, assistant_only_loss=True, packing=cfg.packing, padding_free=cfg.packing, max_length=cfg.max_length
+        SFTConfig,
+        cfg,
+        out,
+        seed,
+        tracking,
+        assistant_only_loss=True,
+        packing=cfg.packing,
+        padding_free=cfg.packing,
+        max_length=cfg.max_length,
     )
     dataset = Dataset.from_list([{"messages": row["messages"]} for row in train])
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
@@ -43,6 +53,8 @@ def build_trainer(model_path: str, train: list[dict[str, Any]], cfg: SFTCfg, out
     return trainer
 
 
-def run_sft(model_path: str, train: list[dict[str, Any]], cfg: SFTCfg, out: Path, seed: int) -> dict[str, Any]:
+def run_sft(
+    model_path: str, train: list[dict[str, Any]], cfg: SFTCfg, out: Path, seed: int, tracking: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Train (resuming from the newest complete checkpoint in `out`), save `out/final` and `out/weak`."""
-    return train_and_save(build_trainer(model_path, train, cfg, out, seed), out, {"loss": "loss"})
+    return train_and_save(build_trainer(model_path, train, cfg, out, seed, tracking), out, {"loss": "loss"})

@@ -4,6 +4,7 @@ that builds a step (one Prefect task run per step, named after it)."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -29,6 +30,19 @@ def stage_task(name: str, retries: int = 2):
         retry_condition_fn=retry_unless_user_error,
         cache_policy=NO_CACHE,
     )
+
+
+TRACKIO = "trackio"  # RUN_DIR/trackio: trackio's database of every trainer's curves (`smolflow dashboard RUN_DIR`)
+
+
+def tracking_env(run_dir: Path) -> dict[str, str]:
+    """What points a trainer's trackio at its run's folder (trackio reads it when imported)."""
+    return {"TRACKIO_DIR": str((Path(run_dir) / TRACKIO).resolve())}
+
+
+def tracking_project(name: str) -> str:
+    """The trackio project of the recipe NAME: pretraining's phases and post-training's trainers are its runs."""
+    return f"smolflow-{name}"
 
 
 def run_logger() -> logging.Logger | logging.LoggerAdapter:

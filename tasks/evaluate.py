@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_table_artifact
 
 from infra.recipe import Recipe
 from infra.steps import Run, Step, StepOutput
@@ -19,6 +19,7 @@ from infra.storage import Mirror, download_folder
 from tasks.common import run_logger, stage_task
 from tasks.curation.pipelines import HELDOUT
 from tasks.evaluation.harness import EvalFailed, prepare_tasks
+from tasks.evaluation.plots import artifact
 from tasks.evaluation.report import build_report
 from tasks.evaluation.results import ResultStore, models_in_prefix, models_in_run
 from tasks.evaluation.runner import EvalSummary, Evaluator
@@ -109,7 +110,7 @@ def report_card(run_dir: Path, name: str, steps: list[Step]) -> Path:
     """Markdown + PNG report card of the run, also published as Prefect artifacts."""
     card = build_report(Path(run_dir), name, steps)
     key = f"{name}-report-card".replace("_", "-")
-    create_markdown_artifact(card.markdown, key=key, description=f"Report card of {run_dir}")
+    artifact(card.markdown, card.path.parent, key, f"Report card of {run_dir}")
     if card.eval_rows:
         create_table_artifact(card.eval_rows, key=f"{key}-evals", description="Evaluation results per checkpoint")
     run_logger().info("report card: %s (plots: %s)", card.path.resolve(), ", ".join(p.name for p in card.plots))

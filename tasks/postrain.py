@@ -17,13 +17,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TypedDict
 
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_table_artifact
 from pydantic import create_model
 
 from infra.errors import TrainerFailed
 from infra.launch import accelerate_command, free_port, launch_env, run_streaming
 from infra.procs import PREEMPTED
-from infra.recipe import AccelerateCfg, ChatDataCfg, GenerationCfg, PreferenceCfg, Recipe, Strict, TrainerCfg
+from infra.recipe import AccelerateCfg, ChatDataCfg, GenerationCfg, PreferenceCfg, Recipe, Strict, TrainerCfg, operational
 from infra.steps import FINAL, NoInputs, Step, StepOutput
 from infra.storage import write_json_atomic
 from infra.summaries import ChatDataSummary, HeldoutEval, PreferenceSummary, TrainedSummary
@@ -33,10 +33,11 @@ from postrain.generation import make_backend, resolve_backend
 from postrain.preference import answers, build_pairs
 from postrain.run import RESULT, PostJob
 from tasks.card import write_card
-from tasks.common import run_logger, stage_task
+from tasks.common import run_logger, stage_task, tracking_env, tracking_project
 from tasks.curate import eval_set_fingerprint
 from tasks.curation.corpus import read_eval_questions
-from tasks.evaluation.report import falls, ladder, ladder_table
+from tasks.evaluation.plots import artifact
+from tasks.evaluation.report import falls, ladder, ladder_plot, ladder_table
 
 Inputs = Mapping[str, StepOutput]
 
@@ -116,20 +117,22 @@ class TrainedStepCfg(Strict):
     launcher: AccelerateCfg
     heldout_eval: GenerationCfg
     seed: int
+    tracking: str | None = operational(None)  # the trackio project the trainer logs to (None: no dashboard)
 
 
-def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, data: Path, out: Path) -> dict:
+def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, data: Path, out: Path, run_dir: Path) -> dict:
     """Run the STAGE trainer (postrain/run.py) on the launcher's ranks; its result once `out/final` is saved."""
     log, result = run_logger(), out / RESULT
     result.unlink(missing_ok=True)  # a previous attempt's: only this launch's may count
-    job = PostJob(stage=stage, model=str(model), data=str(data), config=trainer.model_dump(), out=str(out), seed=cfg.seed)
+    config = trainer.model_dump()
+    job = PostJob(stage=stage, model=str(model), data=str(data), config=config, out=str(out), seed=cfg.seed, tracking=cfg.tracking)
     (out / "job.json").write_text(job.model_dump_json(indent=2))
     import torch
 
     bf16 = torch.cuda.is_available()  # as trl_args decides on the ranks
     command = accelerate_command(cfg.launcher, "postrain.run", [str(out / "job.json")], out / "accelerate.json", free_port(), bf16)
     log.info("%s on %d rank(s), ZeRO-%d: %s", stage, cfg.launcher.nproc, cfg.launcher.zero_stage, " ".join(command))
-    env = launch_env(cfg.launcher, {"TQDM_MININTERVAL": "15"})  # progress every 15 s
+    env = launch_env(cfg.launcher, {"TQDM_MININTERVAL": "15", **tracking_env(run_dir)})  # progress every 15 s
     code = run_streaming(command, env, log.info, grace_s=cfg.launcher.stop_grace_s)
     if code == PREEMPTED:
         raise TrainerFailed(f"{stage}: the trainer was signalled (cancel, preemption), checkpointed and exited; a retry resumes")
@@ -157,7 +160,10 @@ def trained(
     section = getattr(recipe.postrain, stage)
     cfg_type = create_model(f"{stage.upper()}StepCfg", __base__=TrainedStepCfg, **{stage: (type(section), ...)})
     seed = recipe.seed if section.seed is None else section.seed
-    config = cfg_type(launcher=recipe.postrain.launcher, heldout_eval=recipe.postrain.heldout_eval, seed=seed, **{stage: section})
+    tracking = tracking_project(recipe.name) if recipe.postrain.tracking == "trackio" else None
+    config = cfg_type(
+        launcher=recipe.postrain.launcher, heldout_eval=recipe.postrain.heldout_eval, seed=seed, tracking=tracking, **{stage: section}
+    )
     fn = functools.partial(train_step, stage=stage, data=data, start=start, score_start=score_start)
     return Step(stage, stage, fn, config, deps, model=stage)
 
@@ -170,7 +176,8 @@ def train_step(
     if score_start:
         before = {"eval_before": score(cfg.heldout_eval, model, chats)}
         run_logger().info("%s: the starting model's held-out accuracy %.1f%%", stage, 100 * before["eval_before"].accuracy)
-    result = train(cfg, stage, getattr(cfg, stage), model, inputs[data].path / DATA[data], out)
+    run_dir = chats.path.parent  # inputs are linked from the run: RUN/NAME
+    result = train(cfg, stage, getattr(cfg, stage), model, inputs[data].path / DATA[data], out, run_dir)
     return scored(cfg, {**result, **before}, out, inputs)
 
 
@@ -210,7 +217,9 @@ def report(run_dir: Path, name: str, models: list[tuple[str, StepOutput]], pairs
         }
         for label, e in rungs
     ]
-    lines = ["# Post-training", "", *ladder_table(rungs)]
+    path = run_dir / "reports" / "postrain.md"
+    ladder_plot(rungs, path.parent / "plots" / "ladder.png")
+    lines = ["# Post-training", "", "![ladder](plots/ladder.png)", "", *ladder_table(rungs)]
     if fell := falls(rungs):
         run_logger().warning("post-training ladder: %s", fell)
     lines += ["", f"Preference pairs: {pairs.summary.model_dump_json()}", "", "| step | step id | seconds to build |", "|---|---|---|"]
@@ -222,12 +231,10 @@ def report(run_dir: Path, name: str, models: list[tuple[str, StepOutput]], pairs
     for label, e in rungs:
         lines += ["", f"**{label}** examples:"] + [f"- `{x['prompt']}` → `{x['completion']}`" for x in e.examples]
     markdown = "\n".join(lines) + "\n"
-    path = run_dir / "reports" / "postrain.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(markdown)
     write_json_atomic(path.with_suffix(".json"), {"ladder": rows, "seconds": {s.name: s.seconds for s in steps}})
     key = f"{name}-postrain".replace("_", "-")
-    create_markdown_artifact(markdown, key=key, description="Post-training ladder")
+    artifact(markdown, path.parent, key, "Post-training ladder")
     create_table_artifact(rows, key=f"{key}-ladder", description="Held-out accuracy per post-training step")
     run_logger().info("post-training report: %s", path.resolve())
     return path

@@ -28,7 +28,7 @@ from infra.storage import write_json_atomic
 from infra.summaries import PhaseSummary
 from model.config import Schedule, TrainConfig, TrainJob
 from tasks.card import write_card
-from tasks.common import run_logger, stage_task
+from tasks.common import run_logger, stage_task, tracking_env, tracking_project
 from tasks.curation.mixtures import MixturePhase, windows
 from tasks.curation.pipelines import DATA
 from tasks.evaluation.report import pretraining_table, step_metrics
@@ -87,7 +87,7 @@ def train_configs(recipe: Recipe) -> list[TrainConfig]:
                 threads=p.launcher.threads_per_rank,
                 log_every=p.log_every,
                 tracking=p.tracking,
-                project=recipe.name,
+                project=tracking_project(recipe.name),
                 peak_flops=p.hardware.peak_tflops * 1e12 if p.hardware.peak_tflops else None,
                 hold_unevaluated=HOLD_FOR_EVAL if recipe.evaluation.follow and recipe.evaluation.checkpoint_tasks else 0,
             )  # fmt: skip
@@ -105,7 +105,7 @@ class PhaseStepCfg(Strict):
 
 def trainer_env(storage: StorageCfg, run_dir: Path) -> dict[str, str]:
     """Credentials reach the trainer through its environment, never through the job file."""
-    env = {"TRACKIO_DIR": str((run_dir / "trackio").resolve())}
+    env = tracking_env(run_dir)
     if storage.s3.key is not None:
         env["AWS_ACCESS_KEY_ID"] = storage.s3.key.get_secret_value()
     if storage.s3.secret is not None:

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from tests.helpers import REPO, micro_recipe, write_recipe
 
 pytestmark = pytest.mark.slow
 PREFECT = str(Path(sys.executable).with_name("prefect"))
+SMOLFLOW = str(Path(sys.executable).with_name("smolflow"))
 SFT_QUICK = [
     "postrain.sft.max_steps=20",
     "postrain.sft.weak_checkpoint_step=5",
@@ -35,13 +39,34 @@ SFT_QUICK = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """The server, pool and worker as a user starts them (`smolflow server start`), on a free port and state dir."""
     server = Server(root=REPO, state=tmp_path_factory.mktemp("state"), port=free_port())
-    server.start(timeout_s=240)
+    env = {**os.environ, "SMOLFLOW_STATE": str(server.state)}
+    start = subprocess.run([SMOLFLOW, "server", "start", "--port", str(server.port)], env=env, cwd=REPO, capture_output=True, text=True)
+    assert start.returncode == 0, start.stdout + start.stderr
     deploy = prefect(server, "--no-prompt", "deploy", "--all")
     assert deploy.returncode == 0, deploy.stdout + deploy.stderr
     yield server
     server.stop()
     assert server.pid("server") is None and server.pid("worker") is None
+
+
+@dataclass(frozen=True)
+class Launched:
+    run_id: str
+    recipe: Path
+    run_dir: Path
+
+
+@pytest.fixture(scope="module")
+def pipeline(server, tmp_path_factory) -> Launched:
+    """The micro pipeline until SFT through its deployment, its trainers logging to trackio, started once: the crash
+    test kills its flow process and waits for the relaunch to finish; the browser test opens what it published."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    tracked = {"pretrain.checkpoint.every_steps": 10, "pretrain.tracking": "trackio", "postrain.tracking": "trackio"}
+    recipe = write_recipe(tmp / "micro.yaml", micro_recipe(**tracked))
+    params = {"recipe": str(recipe), "run_dir": str(tmp / "run"), "overrides": SFT_QUICK, "until": "sft"}
+    return Launched(run_deployment(server, "full-pipeline/tiny", params), recipe, tmp / "run")
 
 
 def prefect(server: Server, *args: str) -> subprocess.CompletedProcess:
@@ -181,11 +206,8 @@ def test_the_crash_check_relaunches_only_runs_that_crashed_while_running(server,
     assert names[names.index("Crashed") + 1] == "AwaitingRetry" and relaunched["state_type"] == "COMPLETED", names
 
 
-def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_eval(server, tmp_path):
-    recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe(**{"pretrain.checkpoint.every_steps": 10}))
-    run_dir = tmp_path / "run"
-    params = {"recipe": str(recipe), "run_dir": str(run_dir), "overrides": SFT_QUICK, "until": "sft"}
-    run_id = run_deployment(server, "full-pipeline/tiny", params)
+def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_eval(server, pipeline, tmp_path):
+    run_id, recipe, run_dir = pipeline.run_id, pipeline.recipe, pipeline.run_dir
 
     # SIGKILL only the flow run's own process (an OOM kill, a lost worker) once a pretraining checkpoint exists:
     # its trainer must die with it, and no two trainers may ever run at once
@@ -250,3 +272,62 @@ def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_e
     after = {p.name: p.stat().st_mtime for p in (run_dir / "evals" / "results").glob("*.json")}
     assert set(after) == set(results_before)
     assert [name for name in after if after[name] != results_before[name]] == [dropped.name]
+
+
+PLOTS = {"loss and throughput", "evals vs tokens", "early-signal checks", "ladder", "wall time"}  # the report card's
+
+
+def test_the_report_card_subflows_and_training_curves_show_in_a_browser(server, pipeline, tmp_path):
+    """What a user opens in Chromium: the report card artifact with every plot loaded (relative links are broken images
+    in the Prefect UI), the pipeline run's subflows, and the run's curves in `smolflow dashboard`, on loopback only."""
+    from playwright.sync_api import sync_playwright
+
+    assert shutil.which("chromium"), "Debian's chromium is missing: `make setup` installs it as root (apt-get install chromium)"
+    run = wait_final(server, pipeline.run_id)
+    assert run["state_type"] == "COMPLETED", state_history(server, pipeline.run_id)
+    card = api(server, "/artifacts/filter", {"artifacts": {"key": {"any_": ["micro-report-card"]}}, "sort": "CREATED_DESC", "limit": 1})
+    subflows = api(server, "/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [pipeline.run_id]}}})
+    stages = {api(server, f"/flows/{f['flow_id']}")["name"] for f in subflows}
+    assert {"curate", "pretrain", "sft", "evaluate"} <= stages
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 4800})  # the UI scrolls inside: a tall page shows it all
+        page.goto(server.ui_url, wait_until="load")  # the UI asks for the auth string first
+        page.locator("input[type=password]").fill(server.auth())
+        page.keyboard.press("Enter")
+        page.wait_for_url(lambda url: "login" not in url)
+
+        page.goto(f"{server.ui_url}artifacts/artifact/{card[0]['id']}", wait_until="load")  # live updates: never network-idle
+        page.wait_for_selector('img[alt="wall time"]')
+        page.wait_for_function("Array.from(document.images).every(i => i.complete)")
+        images = page.evaluate("Array.from(document.images).map(i => [i.alt, i.naturalWidth])")
+        page.screenshot(path=tmp_path / "report-card.png")
+        assert {alt for alt, _ in images} >= PLOTS and all(width > 0 for _, width in images), images
+
+        page.goto(f"{server.ui_url}runs/flow-run/{pipeline.run_id}", wait_until="load")
+        page.get_by_text("Subflow Runs", exact=True).click()
+        page.get_by_text(f"{len(subflows)} Flow runs", exact=True).wait_for()
+        for stage in stages:  # the list fills in after its count
+            page.get_by_text(stage, exact=True).first.wait_for()
+
+        port = free_port()
+        dashboard = subprocess.Popen([SMOLFLOW, "dashboard", str(pipeline.run_dir), "--port", str(port)], cwd=REPO)
+        try:
+            deadline = time.time() + 120
+            while not (listening := [c.laddr for c in psutil.Process(dashboard.pid).net_connections("inet") if c.status == "LISTEN"]):
+                assert dashboard.poll() is None and time.time() < deadline, "the dashboard never listened"
+                time.sleep(0.5)
+            assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+            page.goto(f"http://127.0.0.1:{port}/?project=smolflow-micro", wait_until="load")
+            page.get_by_text(re.compile(r"^train \(\d+\)$")).wait_for()  # TRL's curves (train/...), after pretraining's
+            shown = page.inner_text("body").splitlines()
+            page.screenshot(path=tmp_path / "dashboard.png")
+        finally:
+            dashboard.terminate()
+            dashboard.wait(30)
+        browser.close()
+    assert {"phase1", "long_context", "sft"} <= set(shown), "the runs: each pretraining phase and the post-training trainer"
+    # each chart's title, then the runs it draws: pretraining's loss over its phases, then SFT's in the train section
+    trl = next(i for i, line in enumerate(shown) if line.startswith("train ("))
+    assert shown[shown.index("loss") + 1 : shown.index("loss") + 3] == ["long_context", "phase3"] and shown.index("loss") < trl
+    assert shown[shown.index("loss", trl) + 1] == "sft"

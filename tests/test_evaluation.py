@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import gzip
+import io
 import json
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -12,14 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from flows.graph import build_graph
-from infra.errors import StepLocked
+from infra.errors import SmolflowError, StepLocked
 from infra.recipe import EvalCfg, load_recipe, parse_recipe
 from infra.steps import Step, finished, run_step
 from infra.summaries import ChatDataSummary, HeldoutEval, PhaseSummary, Summary, TrainedSummary, outcomes
 from model.checkpoint import CheckpointStore, mark_evaluated
 from tasks.evaluation.harness import EvalJob, EvalWorker, prepare_tasks
+from tasks.evaluation.plots import inline
 from tasks.evaluation.report import build_report, phase_ends
 from tasks.evaluation.results import ModelRef, ResultStore, local_fingerprint, models_in_run
 from tasks.evaluation.runner import Evaluator
@@ -471,6 +476,18 @@ def test_report_card_from_a_run_dir(tmp_path):
     assert "**4 of 17 steps finished** (pretrain_phase1, chat_data, sft, apo)" in text
     assert "## Curation" in text and "_not run yet_" in text  # sections without data say so
 
+    # the Prefect artifact carries the plots themselves (the UI serves no run files), reduced, at their size
+    inlined = inline(card.markdown, card.path.parent)
+    uris = re.findall(r"!\[[^\]]*\]\(data:image/png;base64,([^)]+)\)", inlined)
+    assert len(uris) == len(card.plots) and not re.search(r"\]\((?!data:)", inlined), "every plot inside, no link left"
+    for uri, plot in zip(uris, card.plots, strict=True):
+        with Image.open(io.BytesIO(base64.b64decode(uri))) as sent, Image.open(plot) as kept:
+            assert sent.size == kept.size
+    assert sum(len(u) for u in uris) < sum(p.stat().st_size for p in card.plots), "smaller as base64 than the files"
+    card.plots[0].unlink()
+    with pytest.raises(SmolflowError, match="links plots/pretrain.png, which is not there"):
+        inline(card.markdown, card.path.parent)
+
 
 def test_a_task_without_documents_is_skipped_with_a_warning(tmp_path, heldout, caplog):
     empty = tmp_path / "heldout"
@@ -530,3 +547,9 @@ def test_the_audit_tells_tasks_with_early_signal_from_late_ones_and_from_noise_a
     assert seeded["flat_mcf"].ranking < 0.5 and seeded["flat_mcf"].verdict == "no signal at this scale"
     assert audit([_checkpoints(tasks, chance)] * 2)[0].runs == 1, "runs that share their checkpoints are one run"
     assert "| flat_mcf | acc | 8 x 1 |" in "\n".join(audit_table(list(found.values())))
+    # a few items: rising from 0.25 to a 0.375 that repeats at the last checkpoints is within its standard error
+    few = _checkpoints({"few_cf": [0.25, 0.25, 0.375, 0.375, 0.375, 0.375]}, {"few_cf": 0.25})
+    for record in few:
+        record["tasks"]["few_cf"]["metrics"]["acc_stderr"] = 0.17  # 8 items
+    (small,) = audit([few])
+    assert small.noise == 0.17 and small.verdict == "no signal at this scale", small

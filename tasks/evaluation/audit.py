@@ -4,7 +4,9 @@ For each task (its main metric) over the pretraining checkpoints of one or more 
 of an ablation, which share their checkpoint schedule):
 - monotonicity: Spearman's rho of the score against tokens (scipy), signed so that +1 is steady improvement;
 - noise: the standard deviation over runs at the same checkpoint (seeds), or, with one run, over its
-  last NOISE_WINDOW checkpoints (what the score jitters by once it moves slowly);
+  last NOISE_WINDOW checkpoints (what the score jitters by once it moves slowly); never below the
+  standard error lm-eval reports for one checkpoint's score (a score that rests on a few items and
+  happens to repeat is not noise-free: 0.375 at four checkpoints of 8 items made a signal/noise of 1e8);
 - signal-to-noise: the improvement from the first checkpoint to the last, in units of that noise;
 - distance from chance, in the same units (multiple-choice tasks, whose chance level lm-eval's docs give);
 - ranking consistency, with two or more runs: Kendall's tau between the runs' order at successive
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.evaluation.results import main_metric
+from tasks.evaluation.results import main_metric, stderr_of
 
 LOWER_IS_BETTER = ("bits_per_byte",)
 NOISE_WINDOW = 4  # one run: the noise is the spread of its last checkpoints
@@ -66,6 +68,18 @@ def chance_of(records: list[dict], task: str) -> float | None:
     return next((r["tasks"][task]["metrics"].get("chance") for r in records if task in r["tasks"]), None)
 
 
+def sampling_error(runs: list[list[dict]], task: str, metric: str) -> float:
+    """The median standard error lm-eval reported for TASK's METRIC over the runs' checkpoints (0 where it gives none)."""
+    errors = [
+        e
+        for records in runs
+        for r in records
+        if r["model"].get("kind") == "checkpoint" and task in r["tasks"]
+        if (e := stderr_of(r["tasks"][task]["metrics"], metric)) is not None
+    ]
+    return float(np.median(errors)) if errors else 0.0
+
+
 def audit(runs: list[list[dict]]) -> list[TaskAudit]:
     """RUNS: each run's result records (evals/results/*.json). Tasks scored at 3 or more checkpoints common to all runs."""
     from scipy import stats
@@ -86,7 +100,7 @@ def audit(runs: list[list[dict]]) -> list[TaskAudit]:
             noise = float(scores.std(axis=0, ddof=1).mean())
         else:
             noise = float(np.std(mean[-NOISE_WINDOW:], ddof=1))
-        noise = max(noise, 1e-9)
+        noise = max(noise, sampling_error(runs, task, metric), 1e-9)
         chance = chance_of(runs[0], task)
         edge = chance * sign if chance is not None else mean[0]  # what a useful score must clear: chance, else the first score
         clear = mean - edge > BEYOND * noise

@@ -29,6 +29,7 @@ from infra.storage import write_json_atomic
 from infra.summaries import PhaseSummary, TrainedSummary
 from tasks.common import run_logger
 from tasks.evaluation.audit import NO_SIGNAL, audit, audit_table
+from tasks.evaluation.plots import artifact, save
 from tasks.evaluation.report import eval_records, step_metrics
 from tasks.evaluation.results import ResultStore, local_fingerprint, main_metric, stderr_of
 from tasks.evaluation.stats import Items, items_of, noise_floor, paired, verdict
@@ -284,7 +285,7 @@ def publish_comparison(
         )
         ax.invert_yaxis()
         ax.set(title=f"Difference from {baseline}, 95% interval", xlabel="green: better, red: worse, grey: within noise")
-        lines += [f"![scores]({_save(fig, out / 'scores.png').name})", ""]
+        lines += [f"![scores]({save(fig, out / 'scores.png').name})", ""]
 
     lines += ["## Which tasks carry signal", "", *audit_table(audits), ""]
     if select == "auto":
@@ -304,7 +305,7 @@ def publish_comparison(
                     ax.plot([x for x, _ in points], [y for _, y in points], color=colors[run.variant], alpha=0.8, label=run.name)
             ax.set(title=f"{step.name}: {what}")
             ax.legend(fontsize=7)
-        lines += ["## Training curves (steps that differ)", "", f"![curves]({_save(fig, out / 'curves.png').name})", ""]
+        lines += ["## Training curves (steps that differ)", "", f"![curves]({save(fig, out / 'curves.png').name})", ""]
 
     # cost
     cost, alone, distinct = _cost(runs, done)
@@ -338,7 +339,7 @@ def publish_comparison(
             "distinct_seconds": distinct,
         },
     )
-    _artifacts(name, markdown, table)
+    _artifacts(name, markdown, out, table)
     run_logger().info("ablation report: %s", path.resolve())
     return path
 
@@ -387,22 +388,13 @@ def _conclusion(table: list[dict[str, Any]]) -> list[str]:
     return ["**Conclusion**", "", *lines] if lines else ["**Conclusion**: no difference could be estimated."]
 
 
-def _artifacts(name: str, markdown: str, table: list[dict[str, Any]]) -> None:
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+def _artifacts(name: str, markdown: str, folder: Path, table: list[dict[str, Any]]) -> None:
+    from prefect.artifacts import create_table_artifact
     from prefect.context import FlowRunContext
 
     if FlowRunContext.get() is None:  # rebuilt outside a flow run (`smolflow ablate --report`)
         return
     key = f"{name}-ablation".replace("_", "-").lower()
-    create_markdown_artifact(markdown, key=key, description=f"Ablation {name}")
+    artifact(markdown, folder, key, f"Ablation {name}")
     if table:
         create_table_artifact([{k: str(v) for k, v in e.items()} for e in table], key=f"{key}-results", description="Scores per variant")
-
-
-def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path

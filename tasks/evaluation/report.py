@@ -19,6 +19,7 @@ from infra.steps import Step, StepOutput, finished
 from infra.summaries import ChatDataSummary, CurationSummary, HeldoutEval, PhaseSummary, TrainedSummary
 from postrain.data import sign_slips_note
 from tasks.evaluation.audit import BEYOND, audit, audit_table
+from tasks.evaluation.plots import save
 from tasks.evaluation.results import made_by, main_metric, stderr_of
 from tasks.evaluation.stats import items_of, paired, verdict
 
@@ -260,11 +261,32 @@ def rung_step(below: HeldoutEval | None, e: HeldoutEval) -> str:
     return f"{p.diff:+.1%} [{p.ci95[0]:+.1%}, {p.ci95[1]:+.1%}], McNemar p={p.mcnemar_p:.2g}: {said.split(' (')[0]}"
 
 
+def ladder_plot(rungs: list[tuple[str, HeldoutEval]], path: Path, generative: dict[str, float] | None = None) -> Path:
+    """The ladder's held-out accuracy (and lm-eval's math exact match where scored) and answer length per rung, the
+    one plot of it (report card, post-training report)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    generative = generative or {}
+    fig, (acc_ax, len_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
+    names = [n for n, _ in rungs]
+    acc_ax.bar(names, [e.accuracy for _, e in rungs], label="held-out prompts")
+    if generative:
+        scored = [n for n in names if n in generative]
+        acc_ax.plot(scored, [generative[n] for n in scored], "ko-", label="lm-eval math (exact match)")
+    acc_ax.set(title="Accuracy", ylim=(0, 1))
+    acc_ax.legend(fontsize=8)
+    len_ax.bar(names, [e.mean_answer_tokens for _, e in rungs])
+    len_ax.set(title="Mean answer length (tokens)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save(fig, path)
+
+
 def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir: Path, card: Card, notes: list[str]) -> list[str]:
     """NOTES: what the SFT data holds that a reader must know (planted sign slips, a family short of the recipe's share),
     said beside the ladder so no reader takes SFT's lost signs for a defect or misreads a family's accuracy."""
-    import matplotlib.pyplot as plt
-
     rungs = ladder(models)
     if not rungs:
         return ["## Post-training", "", "_not run yet_", ""]
@@ -273,16 +295,8 @@ def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir:
         scores = [e["metrics"]["exact_match/answer"] for t, e in record["tasks"].items() if "exact_match/answer" in e["metrics"]]
         if record["model"]["kind"] == "model" and scores:
             gen[record["model"]["label"]] = sum(scores) / len(scores)
-    fig, (acc_ax, len_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
-    names = [n for n, _ in rungs]
-    acc_ax.bar(names, [e.accuracy for _, e in rungs], label="held-out prompts")
-    if gen:
-        acc_ax.plot([n for n in names if n in gen], [gen[n] for n in names if n in gen], "ko-", label="lm-eval math (exact match)")
-    acc_ax.set(title="Accuracy", ylim=(0, 1))
-    acc_ax.legend(fontsize=8)
-    len_ax.bar(names, [e.mean_answer_tokens for _, e in rungs])
-    len_ax.set(title="Mean answer length (tokens)")
-    path = _save(fig, plots_dir / "postrain.png", card)
+    path = ladder_plot(rungs, plots_dir / "postrain.png", gen)
+    card.plots.append(path)
     rows = ladder_table(rungs, gen)
     for note in notes:
         rows += ["", note]
@@ -322,10 +336,5 @@ def _wall_time(steps: dict[str, StepOutput], plots_dir: Path, card: Card) -> lis
 
 
 def _save(fig, path: Path, card: Card) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    card.plots.append(path)
+    card.plots.append(save(fig, path))
     return path
