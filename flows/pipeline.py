@@ -19,12 +19,14 @@ from prefect import flow, get_run_logger
 
 from flows.graph import EVALUATE, STAGES, Graph, build_graph
 from infra.errors import SmolflowError
-from infra.recipe import Recipe, load_recipe
+from infra.recipe import Override, Recipe, load_recipe
 from infra.steps import RECIPE, RUNS, Run, Step, StepOutput, finished, frozen_recipe, require
 from infra.storage import filesystem
 from tasks import curate, postrain, pretrain
 from tasks import evaluate as ev
 from tasks.common import build, run_logger
+
+Overrides = list[Override] | None  # a deployment refuses a secret among them before Prefect stores it
 
 
 def open_run(recipe: str | None, run_dir: str | None, overrides: list[str] | None) -> tuple[Run, Graph]:
@@ -131,7 +133,7 @@ def run_stage(stage: str, recipe: str | None, run_dir: str | None, overrides: li
 def _stage_flow(stage: str):
     """The Prefect flow of a stage of steps (`smolflow stage NAME`, the NAME/RECIPE deployments)."""
 
-    def stage_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None, evals: bool = True) -> str:
+    def stage_flow(recipe: str | None = None, run_dir: str | None = None, overrides: Overrides = None, evals: bool = True) -> str:
         return run_stage(stage, recipe, run_dir, overrides, evals)
 
     stage_flow.__name__ = stage_flow.__qualname__ = f"{stage}_flow"
@@ -139,7 +141,7 @@ def _stage_flow(stage: str):
 
 
 @flow(name=EVALUATE)
-def evaluate_flow(recipe: str | None = None, run_dir: str | None = None, overrides: list[str] | None = None) -> str:
+def evaluate_flow(recipe: str | None = None, run_dir: str | None = None, overrides: Overrides = None) -> str:
     """Evaluate every checkpoint and model in RUN_DIR that has no results yet, then rebuild the report card."""
     run, graph = open_run(recipe, run_dir, overrides)
     ev.evaluate_run(run, graph.models)
@@ -168,7 +170,7 @@ def stage_deployments(prefect_yaml: str) -> str:
 
 
 @flow(name="full-pipeline")
-def full_pipeline(recipe: str, run_dir: str | None = None, overrides: list[str] | None = None, until: str | None = None) -> dict[str, str]:
+def full_pipeline(recipe: str, run_dir: str | None = None, overrides: Overrides = None, until: str | None = None) -> dict[str, str]:
     """Run the stages of RECIPE in order, up to and including `until` (default: all), then evaluate what
     the run holds and rebuild its report card; returns each stage's result. The recipe is frozen in the
     run dir once, here: the stage flows read it from there."""

@@ -152,6 +152,17 @@ def test_the_server_refuses_requests_without_its_auth_string(server):
     assert not readable, f"readable by other users: {readable}"
 
 
+def test_a_secret_override_is_refused_before_the_server_stores_it(server):
+    """The deployment's parameter schema refuses a credential among the overrides (infra/recipe.py `Override`): the
+    server answers 409 and stores no flow run; the flow's own refusal would come after its parameters were stored."""
+    leaked = f"leaked-{uuid.uuid4().hex}"
+    params = {"recipe": "configs/micro.yaml", "overrides": ["curate.strict=true", f"storage.s3={{secret: {leaked}}}"]}
+    out = prefect(server, "deployment", "run", "full-pipeline/tiny", "--params", json.dumps(params))
+    assert out.returncode != 0 and "overrides" in out.stdout + out.stderr, out.stdout + out.stderr
+    stored = [p.name for p in server.state.rglob("*") if p.is_file() and leaked.encode() in p.read_bytes()]
+    assert not stored, f"the secret reached {stored}"
+
+
 def set_state(server: Server, run_id: str, kind: str, name: str | None = None, at: str | None = None) -> None:
     state = {"type": kind, "name": name, "state_details": {"scheduled_time": at} if at else {}}
     assert api(server, f"/flow_runs/{run_id}/set_state", {"state": state, "force": True})["status"] == "ACCEPT"

@@ -111,6 +111,27 @@ def test_secrets_are_masked_in_dumps(tmp_path):
     assert "hunter2" not in dumped and "AKIA" not in dumped
 
 
+def test_the_deployment_schema_refuses_every_override_the_flow_refuses_as_a_secret(tmp_path):
+    """The flows' `overrides` schema (infra/recipe.py `Override`, checked by the Prefect server before it stores a run) and
+    apply_override agree on what sets a secret, for every secret field the schema has, directly or through a mapping."""
+    import re
+
+    from pydantic import TypeAdapter
+
+    from infra.recipe import Override, secret_keys
+
+    pattern = TypeAdapter(Override).json_schema()["not"]["pattern"]
+    path = write_recipe(tmp_path / "ok.yaml", micro_recipe())
+    assert secret_keys() == ["storage.s3.key", "storage.s3.secret"]
+    secrets = [f"{k}=x" for k in secret_keys()] + ["storage.s3={endpoint: http://h, secret: x}", "storage={s3: {key: x}}"]
+    plain = ["storage.s3.endpoint=http://keyhost:9", "storage.s3={endpoint: http://h}", "postrain.apo.beta=0.2", "@overlay.yaml"]
+    for override in secrets:
+        assert re.search(pattern, override), override
+        with pytest.raises(RecipeError, match="credentials are never given as overrides"):
+            load_recipe(path, [override])
+    assert not any(re.search(pattern, override) for override in plain)
+
+
 def test_global_batch_must_split_into_micro_batches(tmp_path):
     msg = error_for(tmp_path, **{"pretrain.phases.3.batch_size": 3})
     assert "phases[3] (long_context): batch_size 3 is not a multiple of micro_batch_size 2" in msg
