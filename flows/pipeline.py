@@ -29,12 +29,18 @@ from tasks.common import build, run_logger
 Overrides = list[Override] | None  # a deployment refuses a secret among them before Prefect stores it
 
 
-def open_run(recipe: str | None, run_dir: str | None, overrides: list[str] | None) -> tuple[Run, Graph]:
-    """The run and its graph; `owner` makes a relaunch of this flow run read the recipe it froze."""
+@contextmanager
+def opened(recipe: str | None, run_dir: str | None, overrides: list[str] | None) -> Iterator[tuple[Run, Graph]]:
+    """The run and its graph for a flow's body; `owner` makes a relaunch of this flow run read the recipe it froze.
+    Given a recipe, the run holds its run dir's recipe lock till the body ends: a stage started meanwhile with a
+    recipe of its own is refused instead of re-freezing the recipe this flow's later stages read."""
     from prefect.runtime import flow_run
 
     run = Run.open(recipe, run_dir, overrides or [], owner=flow_run.root_flow_run_id)
-    return run, build_graph(run.recipe)
+    try:
+        yield run, build_graph(run.recipe)
+    finally:
+        run.close()
 
 
 def upstream_steps(graph: Graph, stages: list[str]) -> dict[str, Step]:
@@ -115,19 +121,19 @@ def run_stage(stage: str, recipe: str | None, run_dir: str | None, overrides: li
     With `evals`, checkpoints are scored while their trainer runs and each model right after its step (False:
     the caller's follower scores them). Returns what the stage made: its last step's model folder, else the
     stage's report, else its last step's folder."""
-    run, graph = open_run(recipe, run_dir, overrides)
-    steps = graph.stage(stage)
-    available = upstream(run, graph, [stage])  # before the follower starts
-    with eval_follower(run, graph, ("checkpoint",) if evals and any(s.checkpoints for s in steps) else ()):
-        out = run_steps(run, stage, graph, available)
-    for step in steps:
-        if step.model and not step.checkpoints and evals:
-            ev.evaluate_model(run, graph.models, step, out[step.name])
-    order = [s.name for s in graph.steps]
-    ours = [fn for reads, fn in STAGE_REPORTS if max(reads(graph), key=lambda s: order.index(s.name)).stage == stage]
-    reports = [fn(run, graph, {**available, **out}) for fn in ours]
-    last = out[steps[-1].name]
-    return str(last.final if steps[-1].model else reports[-1] if reports else last.path)
+    with opened(recipe, run_dir, overrides) as (run, graph):
+        steps = graph.stage(stage)
+        available = upstream(run, graph, [stage])  # before the follower starts
+        with eval_follower(run, graph, ("checkpoint",) if evals and any(s.checkpoints for s in steps) else ()):
+            out = run_steps(run, stage, graph, available)
+        for step in steps:
+            if step.model and not step.checkpoints and evals:
+                ev.evaluate_model(run, graph.models, step, out[step.name])
+        order = [s.name for s in graph.steps]
+        ours = [fn for reads, fn in STAGE_REPORTS if max(reads(graph), key=lambda s: order.index(s.name)).stage == stage]
+        reports = [fn(run, graph, {**available, **out}) for fn in ours]
+        last = out[steps[-1].name]
+        return str(last.final if steps[-1].model else reports[-1] if reports else last.path)
 
 
 def _stage_flow(stage: str):
@@ -143,9 +149,9 @@ def _stage_flow(stage: str):
 @flow(name=EVALUATE)
 def evaluate_flow(recipe: str | None = None, run_dir: str | None = None, overrides: Overrides = None) -> str:
     """Evaluate every checkpoint and model in RUN_DIR that has no results yet, then rebuild the report card."""
-    run, graph = open_run(recipe, run_dir, overrides)
-    ev.evaluate_run(run, graph.models)
-    return str(ev.report_card(run.run_dir, run.recipe.name, graph.steps))
+    with opened(recipe, run_dir, overrides) as (run, graph):
+        ev.evaluate_run(run, graph.models)
+        return str(ev.report_card(run.run_dir, run.recipe.name, graph.steps))
 
 
 # Stage name -> its flow, in DAG order: `smolflow stage NAME` runs one on its own, and prefect.yaml deploys each as
@@ -176,20 +182,20 @@ def full_pipeline(recipe: str, run_dir: str | None = None, overrides: Overrides 
     run dir once, here: the stage flows read it from there."""
     if until is not None and until not in STAGES:
         raise ValueError(f"unknown stage {until!r}; stages: {', '.join(STAGES)}")
-    run, graph = open_run(recipe, run_dir, overrides)
-    chosen = list(STAGES[: STAGES.index(until) + 1] if until else STAGES)
-    if EVALUATE not in chosen:
-        chosen.append(EVALUATE)
-    *stages, last = chosen  # the evaluate stage, once the follower is done
-    # one eval follower beside the training stages: checkpoints and models are scored on the cores the
-    # trainers leave idle, not between stages; it starts once the held-out documents its tasks read exist
-    ready = STAGES.index(graph.models.heldout.stage) + 1
-    results = {name: STAGE_FLOWS[name](None, str(run.run_dir)) for name in stages[:ready]}
-    with eval_follower(run, graph, ("checkpoint", "model") if stages[ready:] else ()) as following:
-        for name in stages[ready:]:
-            results[name] = STAGE_FLOWS[name](None, str(run.run_dir), evals=not following)
-    results[last] = STAGE_FLOWS[last](None, str(run.run_dir))
-    return results
+    with opened(recipe, run_dir, overrides) as (run, graph):
+        chosen = list(STAGES[: STAGES.index(until) + 1] if until else STAGES)
+        if EVALUATE not in chosen:
+            chosen.append(EVALUATE)
+        *stages, last = chosen  # the evaluate stage, once the follower is done
+        # one eval follower beside the training stages: checkpoints and models are scored on the cores the
+        # trainers leave idle, not between stages; it starts once the held-out documents its tasks read exist
+        ready = STAGES.index(graph.models.heldout.stage) + 1
+        results = {name: STAGE_FLOWS[name](None, str(run.run_dir)) for name in stages[:ready]}
+        with eval_follower(run, graph, ("checkpoint", "model") if stages[ready:] else ()) as following:
+            for name in stages[ready:]:
+                results[name] = STAGE_FLOWS[name](None, str(run.run_dir), evals=not following)
+        results[last] = STAGE_FLOWS[last](None, str(run.run_dir))
+        return results
 
 
 @flow(name="scheduled-eval")

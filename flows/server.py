@@ -6,7 +6,9 @@ flow run's parameters, logs and artifacts, PREFECT_HOME, logs and PID files. The
 auth string (generated once into `.smolflow/auth`, mode 0600; `source .smolflow/env`, also 0600, gives
 it to the prefect CLI), so another local user cannot run a deployment with recipe values of theirs. `start` is
 idempotent (a running server or worker is left alone); `stop` stops workers before the server,
-since a worker whose server vanished first retries its connection instead of exiting.
+since a worker whose server vanished first retries its connection instead of exiting. A worker whose
+server dies is stopped within a second (infra/procs.py `guarded`): it would otherwise send the auth
+string to whatever process binds the port next.
 
 Work pool `smolflow` (type process) has three queues: `default` for the pipeline and stage flows and
 `eval` for scheduled evaluation, one flow run at a time each, so evaluation never takes the training
@@ -33,6 +35,7 @@ import psutil
 
 from infra.env import OFFLINE_DEFAULTS, PRIVATE_UMASK, private_dir, write_private
 from infra.errors import SmolflowError
+from infra.procs import Proc, guarded
 
 POOL = "smolflow"
 QUEUES = {"default": 1, "eval": 1, "control": 2}  # queue -> concurrency limit
@@ -148,7 +151,11 @@ class Server:
         self._configure()
         if worker and self.pid("worker") is None:
             prefect = str(Path(sys.executable).with_name("prefect"))
-            self._spawn("worker", [prefect, "worker", "start", "--pool", POOL, "--type", "process", "--limit", str(sum(QUEUES.values()))])
+            command = [prefect, "worker", "start", "--pool", POOL, "--type", "process", "--limit", str(sum(QUEUES.values()))]
+            # the worker sends the auth string with every poll: it stops with the server, never polls a stranger on the port
+            if (server := self.pid("server")) is None:
+                raise SmolflowError(f"the Prefect server exited after starting; see {self.state / 'server.log'}")
+            self._spawn("worker", guarded(Proc.of(server), command))
             say(f"started a worker on pool {POOL!r} (log {self.state / 'worker.log'})")
         say(f"Prefect UI: {self.ui_url}")
 

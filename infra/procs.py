@@ -6,7 +6,8 @@ to another, so anything recorded to kill or wait for later is a `Proc` (host, pi
 `python -m infra.procs OWNER -- COMMAND...` runs COMMAND (a launcher: torchrun, deepspeed) so that
 the kernel kills it when the thread that started it dies (PR_SET_PDEATHSIG survives exec); ranks
 further down the tree watch the owner named in SMOLFLOW_OWNER (`watch_owner`), because launchers
-start them in sessions and processes of their own where no signal follows.
+start them in sessions and processes of their own where no signal follows. `--while PID:START`
+runs COMMAND until a process that is not its parent exits (`guarded`).
 """
 
 from __future__ import annotations
@@ -116,7 +117,42 @@ def tethered(command: list[str]) -> list[str]:
     return [sys.executable, "-m", "infra.procs", str(os.getpid()), "--", *command]
 
 
+def guarded(server: Proc, command: list[str]) -> list[str]:
+    """COMMAND, stopped as soon as SERVER exits (`run_while`): for a client that sends SERVER's secret with every
+    request (the Prefect worker, the auth string), which must not go on sending it to whoever binds the port next."""
+    return [sys.executable, "-m", "infra.procs", "--while", f"{server.pid}:{server.started}", "--", *command]
+
+
+def run_while(watched: Proc, command: list[str], poll_s: float = 1.0) -> int:
+    """Run COMMAND as a child until it exits, WATCHED exits (SIGTERM, SIGKILL after 15 s) or this process is signalled."""
+    import subprocess
+
+    child = subprocess.Popen(command)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while child.poll() is None:
+        gone = watched.process() is None
+        if gone or stop.is_set():
+            if gone:
+                print(f"pid {watched.pid} is gone: stopping {os.path.basename(command[0])}", flush=True)
+            child.terminate()
+            try:
+                child.wait(15)
+            except subprocess.TimeoutExpired:
+                kill_tree(child.pid)
+            break
+        stop.wait(poll_s)
+    return child.wait()
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--while"]:
+        _, watched, sep, *command = sys.argv[1:]
+        pid, started = watched.split(":")
+        if sep != "--" or not command:
+            sys.exit("usage: python -m infra.procs --while PID:START -- COMMAND...")
+        sys.exit(run_while(Proc(HOST, int(pid), float(started)), command))
     parent, sep, *command = sys.argv[1:]
     if sep != "--" or not command:
         sys.exit("usage: python -m infra.procs OWNER_PID -- COMMAND...")

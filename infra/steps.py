@@ -606,6 +606,32 @@ def convert_layout(run_dir: Path) -> list[str]:
 # --- one run of a recipe ---------------------------------------------------------------------
 
 _OPENED: dict[Path, Recipe] = {}  # run dir -> recipe read in this process (it may hold secrets recipe.json masks)
+_RECIPE_LOCK = ".recipe.lock"  # held by the process whose flow runs were given the run's recipe, while they run
+_HELD: dict[Path, list] = {}  # run dir -> [its recipe lock, how many open runs of this process hold it]
+
+
+def _hold(root: Path) -> None:
+    """One more open run of this process that was given ROOT's recipe. The first takes ROOT's recipe lock: another
+    process may not freeze a recipe into ROOT meanwhile, since a pipeline's later stages read the frozen one."""
+    key = root.resolve()
+    if key in _HELD:
+        _HELD[key][1] += 1
+        return
+    lock = acquire(root / _RECIPE_LOCK)
+    if lock is None:
+        raise SmolflowError(
+            f"{root} is in use by a run given its recipe ({describe_holder(root / _RECIPE_LOCK)}); its frozen recipe stays: "
+            "leave out the recipe to build on it (`smolflow stage NAME --run-dir RUN`), or wait until that run ends"
+        )
+    _HELD[key] = [lock, 1]
+
+
+def _release(root: Path) -> None:
+    held = _HELD.get(root.resolve())
+    if held is not None:
+        held[1] -= 1
+        if held[1] == 0:
+            _HELD.pop(root.resolve())[0].release()
 
 
 @dataclass(frozen=True)
@@ -616,6 +642,7 @@ class Run:
     run_dir: Path
     mirror: Mirror | None
     changes: tuple[tuple[str, Any, Any], ...] = ()  # recipe keys changed against the frozen recipe when opened
+    holds: bool = False  # opened with a recipe: holds the run dir's recipe lock until `close`
 
     @classmethod
     def open(
@@ -628,7 +655,9 @@ class Run:
     ) -> Run:
         """The run in RUN_DIR. Without a recipe path, or for a relaunch of the flow run (`owner`) that froze
         it, the frozen recipe; with one, that recipe: a difference from the frozen one is returned in
-        `changes` (and logged), and the new recipe frozen in its place when `freeze`."""
+        `changes` (and logged), and the new recipe frozen in its place when `freeze`. Given a recipe and
+        FREEZE, the run holds the run dir's recipe lock until `close()`: another process that is given a
+        recipe for it meanwhile is refused, naming this one."""
         new = load_recipe(recipe_path, list(overrides)) if recipe_path else None
         root = Path(run_dir) if run_dir else Path("runs") / new.name if new else None
         if root is None:
@@ -638,16 +667,30 @@ class Run:
             raise SmolflowError(f"{root} holds no run (no {RECIPE}): pass the recipe")
         if root.is_dir():
             convert_layout(root)
+        holds = new is not None and freeze
+        if holds:
+            root.mkdir(parents=True, exist_ok=True)
+            _hold(root)
+            frozen = _read_json(root / RECIPE)  # as it is now that no other run may change it
+        try:
+            return cls._opened(root, new, frozen, owner, freeze, holds)
+        except BaseException:
+            if holds:
+                _release(root)
+            raise
+
+    @classmethod
+    def _opened(cls, root: Path, new: Recipe | None, frozen: dict | None, owner: str | None, freeze: bool, holds: bool) -> Run:
         reuse = new is None or (owner is not None and _read_text(root / _OWNER_FILE) == owner)
         if reuse and frozen is not None:
             recipe = _OPENED.get(root.resolve())
             if recipe is None or recipe_dump(recipe) != frozen:
                 recipe = frozen_recipe(frozen, str(root / RECIPE))
-            return cls._make(recipe, root)
+            return cls._make(recipe, root, holds=holds)
         changes = tuple(changed_keys(frozen, recipe_dump(new))) if frozen is not None else ()
         for key, old, value in changes:
             log.warning("recipe of %s: %s changed: %r -> %r", root, key, old, value)
-        run = cls._make(new, root, changes, prepare=freeze)
+        run = cls._make(new, root, changes, prepare=freeze, holds=holds)
         if freeze:
             write_json_atomic(root / RECIPE, recipe_dump(new))
             (root / _OWNER_FILE).write_text(owner or "")
@@ -662,10 +705,15 @@ class Run:
         except StorageError as err:
             log.warning("run %s: %s not mirrored (%s); the run goes on, the next open mirrors it", self.run_dir, RECIPE, err)
 
+    def close(self) -> None:
+        """Release the run dir's recipe lock if this run holds it (the last of this process's runs that do)."""
+        if self.holds:
+            _release(self.run_dir)
+
     @classmethod
-    def _make(cls, recipe: Recipe, root: Path, changes: tuple = (), prepare: bool = True) -> Run:
+    def _make(cls, recipe: Recipe, root: Path, changes: tuple = (), prepare: bool = True, holds: bool = False) -> Run:
         mirror = Mirror(recipe.storage.mirror, recipe.storage.s3) if recipe.storage.mirror else None
-        run = cls(recipe=recipe, run_dir=root, mirror=mirror, changes=changes)
+        run = cls(recipe=recipe, run_dir=root, mirror=mirror, changes=changes, holds=holds)
         if prepare:
             run._link_store()
         return run

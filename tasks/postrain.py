@@ -120,8 +120,9 @@ class TrainedStepCfg(Strict):
     tracking: str | None = operational(None)  # the trackio project the trainer logs to (None: no dashboard)
 
 
-def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, data: Path, out: Path, run_dir: Path) -> dict:
-    """Run the STAGE trainer (postrain/run.py) on the launcher's ranks; its result once `out/final` is saved."""
+def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, data: Path, out: Path, run_dir: Path | None = None) -> dict:
+    """Run the STAGE trainer (postrain/run.py) on the launcher's ranks; its result once `out/final` is saved. Its
+    curves go to the run's dashboard (RUN_DIR/trackio) when `cfg.tracking` names a project."""
     log, result = run_logger(), out / RESULT
     result.unlink(missing_ok=True)  # a previous attempt's: only this launch's may count
     config = trainer.model_dump()
@@ -132,7 +133,8 @@ def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, dat
     bf16 = torch.cuda.is_available()  # as trl_args decides on the ranks
     command = accelerate_command(cfg.launcher, "postrain.run", [str(out / "job.json")], out / "accelerate.json", free_port(), bf16)
     log.info("%s on %d rank(s), ZeRO-%d: %s", stage, cfg.launcher.nproc, cfg.launcher.zero_stage, " ".join(command))
-    env = launch_env(cfg.launcher, {"TQDM_MININTERVAL": "15", **tracking_env(run_dir)})  # progress every 15 s
+    tracking = tracking_env(run_dir or out) if cfg.tracking else {}
+    env = launch_env(cfg.launcher, {"TQDM_MININTERVAL": "15", **tracking})  # progress every 15 s
     code = run_streaming(command, env, log.info, grace_s=cfg.launcher.stop_grace_s)
     if code == PREEMPTED:
         raise TrainerFailed(f"{stage}: the trainer was signalled (cancel, preemption), checkpointed and exited; a retry resumes")

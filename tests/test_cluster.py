@@ -127,6 +127,24 @@ def test_a_failed_rank_fails_the_task_with_its_log_and_leaves_no_job(slurm, tmp_
     assert slurm.jobs() == []
 
 
+def pass_through(docs, rank: int = 0, world_size: int = 1):
+    yield from docs or []
+
+
+def test_a_relaunch_cancels_the_jobs_of_the_attempt_before_it_then_submits_its_own(slurm, tmp_path):
+    """A SIGKILLed flow process leaves its array in the queue (no `except` runs): the relaunch, holding the step's lock,
+    cancels it before it submits, so no rank runs in two jobs at once."""
+    logs = tmp_path / "logs"
+    name = pipelines.slurm_job_name("relaunched", logs)
+    submit = ["sbatch", "--parsable", f"--job-name={name}", "--partition=cpu", "--mem-per-cpu=50", f"--output={tmp_path}/stale.out"]
+    stale = subprocess.run([*submit, "--wrap", "sleep 300"], capture_output=True, text=True, check=True).stdout.strip()
+    assert [j["id"] for j in slurm.jobs()] == [stale]
+    pipelines.run_pipeline(slurm_executor(), [pass_through], logs, 2, "relaunched")
+    state = subprocess.run(["scontrol", "show", "job", stale], capture_output=True, text=True).stdout
+    assert "JobState=CANCELLED" in state, state
+    assert slurm.jobs() == []
+
+
 def test_a_pipeline_past_its_time_budget_fails_and_its_jobs_are_cancelled(slurm, tmp_path):
     started = time.time()
     with pytest.raises(pipelines.ClusterTimeout, match=r"2 of 2 tasks still incomplete after"):

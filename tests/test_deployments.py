@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -342,3 +343,39 @@ def test_the_report_card_subflows_and_training_curves_show_in_a_browser(server, 
     trl = next(i for i, line in enumerate(shown) if line.startswith("train ("))
     assert shown[shown.index("loss") + 1 : shown.index("loss") + 3] == ["long_context", "phase3"] and shown.index("loss") < trl
     assert shown[shown.index("loss", trl) + 1] == "sft"
+
+
+def test_the_worker_stops_with_its_server_and_sends_nothing_to_a_stranger_on_the_port(server):
+    """Last in this file: it kills the module's server. A local user who binds the freed port must not receive the
+    worker's polls, which carry the auth string: the worker is stopped with its server (flows/server.py)."""
+    worker = psutil.Process(server.pid("worker"))
+    workers = [worker, *worker.children(recursive=True)]
+    server_tree = psutil.Process(server.pid("server"))
+    for p in [*server_tree.children(recursive=True), server_tree]:
+        p.kill()
+    received: list[bytes] = []
+    stranger = socket.socket()
+    stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    deadline = time.time() + 30
+    while True:  # the port frees once the server's processes are reaped
+        try:
+            stranger.bind(("127.0.0.1", server.port))
+            break
+        except OSError:
+            assert time.time() < deadline, "the server's port never freed"
+            time.sleep(0.2)
+    stranger.listen()
+    stranger.settimeout(0.5)
+    end = time.time() + 25  # the worker polls every 10 s (PREFECT_WORKER_QUERY_SECONDS) and beats every 30 s
+    while time.time() < end:
+        try:
+            conn, _ = stranger.accept()
+        except TimeoutError:
+            continue
+        with conn:
+            conn.settimeout(2)
+            received.append(conn.recv(65536))
+    stranger.close()
+    _, alive = psutil.wait_procs(workers, timeout=5)
+    assert not alive, f"worker processes outlived their server: {[command_of(p) for p in alive]}"
+    assert not any(b"Authorization" in r for r in received), f"the auth string went to a stranger: {received}"

@@ -159,6 +159,40 @@ def test_a_run_freezes_its_recipe_and_relaunches_read_it(tmp_path):
     assert changed.changes == (("postrain.apo.beta", 0.1, 0.5),) and changed.recipe.postrain.apo.beta == 0.5
 
 
+HOLD_RUN = """
+import sys, time
+from infra.steps import Run
+run = Run.open(sys.argv[1], sys.argv[2], owner="pipeline")
+print("open", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_run_given_a_recipe_refuses_another_recipe_for_its_run_dir_until_it_ends(tmp_path):
+    """`smolflow stage sft RECIPE --run-dir D` while D's pipeline runs would re-freeze D/recipe.json, and the pipeline's
+    later stages would adopt it: the pipeline's process holds D's recipe lock, a stage without a recipe is welcome."""
+    import subprocess
+    import sys
+
+    path, run_dir = write_recipe(tmp_path / "r.yaml", micro_recipe()), tmp_path / "run"
+    pipeline = subprocess.Popen([sys.executable, "-c", HOLD_RUN, str(path), str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert pipeline.stdout.readline() == "open\n"
+        edited = write_recipe(tmp_path / "edited.yaml", micro_recipe(**{"postrain.apo.beta": 0.5}))
+        with pytest.raises(SmolflowError, match=rf"in use by a run given its recipe \(.*pid {pipeline.pid}"):
+            Run.open(str(edited), str(run_dir))
+        assert Run.open(None, str(run_dir)).recipe.postrain.apo.beta == 0.1  # a stage on the frozen recipe
+        assert Run.open(str(edited), str(run_dir), freeze=False).changes  # a dry run says what would change
+    finally:
+        pipeline.kill()
+        pipeline.wait()
+    first = Run.open(str(edited), str(run_dir))  # its holder gone, the lock is free
+    again = Run.open(str(edited), str(run_dir))  # this process's own runs (an ablation's threads) share the hold
+    first.close()
+    again.close()
+    assert json.loads((run_dir / "recipe.json").read_text())["postrain"]["apo"]["beta"] == 0.5
+
+
 def test_runs_sharing_a_store_build_a_step_once_even_at_the_same_time(tmp_path):
     """An ablation's runs: RUN/steps links to one store, a step lives in STORE/NAME-ID; a second builder waits."""
     import threading

@@ -151,6 +151,11 @@ def run_pipeline(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: int
                 f"a retry runs only those. Rank {left[0]}:\n{_rank_log_tail(logging_dir, left[0])}"
             )
         return read_stats(logging_dir)
+    if stale := _slurm_jobs(executor.job_name):
+        # the step's lock is ours, so jobs of this name are an earlier attempt's whose flow process was killed (no
+        # `except` ran): cancelled before submitting, else a rank runs in two jobs at once, both writing its shard
+        log.warning("%s: cancelling jobs %s of an earlier attempt before submitting", job_name, [j[0] for j in stale])
+        _scancel(executor.job_name)
     try:
         executor.run()
         _wait_for_slurm(executor, cfg, logging_dir, tasks, job_name)
