@@ -23,3 +23,20 @@ class TrainerFailed(SmolflowError):
     """A launched trainer exited non-zero or unfinished: a retry resumes it from its newest checkpoint."""
 
     retryable = True
+
+
+class DiskFull(SmolflowError):
+    """No room left where a step, a checkpoint or a result is written: the message names the folder and its free space,
+    and what was committed before is untouched (every commit is a rename of a finished folder or file)."""
+
+
+def disk_full(err: BaseException) -> OSError | None:
+    """The ENOSPC / EDQUOT error behind ERR (itself, or what it was raised from), else None."""
+    import errno
+
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None

@@ -44,7 +44,7 @@ from typing import Any, TypedDict, get_type_hints
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from infra.errors import SmolflowError, StepLocked, UpstreamMissing
+from infra.errors import DiskFull, SmolflowError, StepLocked, UpstreamMissing, disk_full
 from infra.locks import acquire, describe_holder, holding
 from infra.recipe import Recipe, is_operational, load_recipe, parse_recipe, recipe_dump
 from infra.storage import Mirror, StorageError, fingerprint_files, fsync_dir, fsync_tree, write_json_atomic
@@ -453,6 +453,28 @@ def _build(store: Path, folder: str, status: Status, mirror: Mirror | None, inpu
                 return _output(remote, final, cached=True, step=step)
             shutil.rmtree(pulled)
             log.warning("step %s: the copy on %s does not match its manifest's fingerprint: building it here", step.name, mirror.prefix)
+    try:
+        manifest = _built(step, sid, status, inputs, partial, built, manifest)
+        lock.check()  # a holder whose lease was taken over never commits
+        _commit(partial, final)  # (3)
+    except Exception as err:
+        if (full := disk_full(err)) is None:
+            raise
+        free = shutil.disk_usage(partial if partial.is_dir() else store).free
+        raise DiskFull(
+            f"step {step.name}: no space left writing {full.filename or partial} ({free / 2**20:.1f} MiB free there); its "
+            f"partial build stays in {partial}, nothing committed was touched: free space (or move storage.store) and rerun"
+        ) from err
+    built.unlink(missing_ok=True)
+    if mirror is not None:
+        mirror.push(final, folder, MANIFEST, skip_dirs=UNTRACKED_DIRS)
+    log.info("step %s: built in %.1f s", step.name, manifest.get("seconds", 0.0))
+    return _output(manifest, final, cached=False, step=step)
+
+
+def _built(step: Step, sid: str, status: Status, inputs, partial: Path, built: Path, manifest: dict | None) -> dict:
+    """The step built into PARTIAL with its manifest written: (1) the function's record, (2) the files on disk, the
+    manifest last; a relaunch after (1) commits without building again."""
     if manifest is None:
         if built.is_file():
             record = json.loads(built.read_text())
@@ -485,13 +507,7 @@ def _build(store: Path, folder: str, status: Status, mirror: Mirror | None, inpu
         }
         manifest["files"] = fsync_tree(partial, skip_dirs=UNTRACKED_DIRS)  # (2): on disk before the manifest says finished
         write_json_atomic(partial / MANIFEST, manifest)
-    lock.check()  # a holder whose lease was taken over never commits
-    _commit(partial, final)  # (3)
-    built.unlink(missing_ok=True)
-    if mirror is not None:
-        mirror.push(final, folder, MANIFEST, skip_dirs=UNTRACKED_DIRS)
-    log.info("step %s: built in %.1f s", step.name, manifest.get("seconds", 0.0))
-    return _output(manifest, final, cached=False, step=step)
+    return manifest
 
 
 def _commit(ready: Path, final: Path) -> None:
@@ -617,10 +633,10 @@ def _hold(root: Path) -> None:
     if key in _HELD:
         _HELD[key][1] += 1
         return
-    lock = acquire(root / _RECIPE_LOCK)
+    lock = acquire(key / _RECIPE_LOCK)  # absolute: the holder's working directory may change while it runs
     if lock is None:
         raise SmolflowError(
-            f"{root} is in use by a run given its recipe ({describe_holder(root / _RECIPE_LOCK)}); its frozen recipe stays: "
+            f"{root} is in use by a run given its recipe ({describe_holder(key / _RECIPE_LOCK)}); its frozen recipe stays: "
             "leave out the recipe to build on it (`smolflow stage NAME --run-dir RUN`), or wait until that run ends"
         )
     _HELD[key] = [lock, 1]

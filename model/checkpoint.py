@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from infra.errors import SmolflowError
+from infra.errors import DiskFull, SmolflowError
 from infra.storage import CorruptFile, Mirror, StorageError, file_digest, fsync_dir, fsync_tree, with_retries, write_json_atomic
 
 MARKER = "checkpoint.json"
@@ -93,10 +93,6 @@ def verify(folder: Path) -> None:
 
 def checkpoint_bytes(folder: Path) -> int:
     return sum(_size(r) for r in json.loads((folder / MARKER).read_text())["files"].values())
-
-
-class DiskFull(SmolflowError):
-    """Not enough free space for the next checkpoint even after pruning: the message names the folder and sizes."""
 
 
 class CheckpointStore:

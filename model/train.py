@@ -28,12 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from infra.env import skip_deepspeed_shm_build, thread_count
+from infra.errors import DiskFull
 from infra.procs import PREEMPTED, PREEMPTED_MARK, die_with_parent, watch_owner
 from infra.recipe import S3Cfg, SpikeCfg
 from infra.steps import FINAL
 from infra.storage import Mirror
 from infra.summaries import PhaseSummary
-from model.checkpoint import MARKER, CheckpointStore, DiskFull, MirrorBehind, tag_for, verify, weights_only_engine
+from model.checkpoint import MARKER, CheckpointStore, MirrorBehind, tag_for, verify, weights_only_engine
 from model.config import TrainConfig, TrainJob
 from model.data import IGNORE, MixtureBatches, TokenSource, flatten, sample_order
 from model.network import build_model, flops_per_token, for_training, long_context_config, model_config, param_groups, with_yarn

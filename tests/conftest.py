@@ -181,3 +181,22 @@ def vllm_sft(tmp_path_factory) -> Path:
 
     built = run_step(shared_root(tmp_path_factory) / "shared", Step("vllm_sft", "test", build_vllm_sft, Strict()), {})
     return built.path / "sft"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """Mounts size-limited filesystems (tmpfs) for the test, `small_disk(bytes) -> folder`: needs root."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounts = []
+
+    def mount(size: int) -> Path:
+        folder = tmp_path / f"disk{len(mounts)}"
+        folder.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
+        mounts.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounts:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

@@ -130,6 +130,7 @@ def state_history(server: Server, run_id: str) -> list[str]:
 
 
 def flow_run_processes(server: Server) -> list[psutil.Process]:
+    """Everything the worker runs: under its guard (flows/server.py), the worker, its flow run processes and theirs."""
     return psutil.Process(server.pid("worker")).children(recursive=True)
 
 
@@ -227,7 +228,7 @@ def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_e
     while not list((run_dir / ".partial" / "pretrain_phase1" / "checkpoints").glob("step*/checkpoint.json")):
         assert time.time() < deadline, "pretraining never wrote a checkpoint"
         time.sleep(0.5)
-    flow_process = psutil.Process(server.pid("worker")).children()
+    flow_process = [p for p in flow_run_processes(server) if "prefect.engine" in command_of(p)]  # the worker's child
     trainers = [p for p in flow_run_processes(server) if "model.train" in command_of(p)]
     assert len(flow_process) == 1 and trainers, "a flow run process with its trainer under the worker"
     flow_process[0].kill()
@@ -277,7 +278,13 @@ def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_e
     deployment = api(server, "/deployments/name/scheduled-eval/tiny")
     assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 * * * *"]
     assert deployment["work_queue_name"] == "eval"
-    dropped = next(p for p in (run_dir / "evals" / "results").glob("*.json") if json.loads(p.read_text())["model"]["kind"] == "checkpoint")
+
+    def kept_checkpoint(result: Path) -> bool:  # a checkpoint still on disk: pruning removed the early ones once scored
+        model = json.loads(result.read_text())["model"]
+        step = model["label"].rpartition("/")[2]
+        return model["kind"] == "checkpoint" and (run_dir / f"pretrain_{model['stage']}" / "checkpoints" / step).is_dir()
+
+    dropped = next(p for p in (run_dir / "evals" / "results").glob("*.json") if kept_checkpoint(p))
     dropped.unlink()
     scan = wait_final(server, run_deployment(server, "scheduled-eval/tiny", {"source": str(run_dir), "work_dir": str(tmp_path / "scan")}))
     assert scan["state_type"] == "COMPLETED"
@@ -376,6 +383,6 @@ def test_the_worker_stops_with_its_server_and_sends_nothing_to_a_stranger_on_the
             conn.settimeout(2)
             received.append(conn.recv(65536))
     stranger.close()
+    assert not any(b"Authorization" in r for r in received), f"the auth string went to a stranger: {received}"
     _, alive = psutil.wait_procs(workers, timeout=5)
     assert not alive, f"worker processes outlived their server: {[command_of(p) for p in alive]}"
-    assert not any(b"Authorization" in r for r in received), f"the auth string went to a stranger: {received}"

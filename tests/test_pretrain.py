@@ -210,25 +210,6 @@ def test_sigterm_saves_a_checkpoint_and_exits_for_a_retry_to_resume(data, refere
     assert losses(out) == pytest.approx(losses(reference), rel=1e-6, abs=1e-7)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A size-limited filesystem (tmpfs) mounted for the test: needs root."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mounts = []
-
-    def mount(size: int) -> Path:
-        folder = tmp_path / f"disk{len(mounts)}"
-        folder.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
-        mounts.append(folder)
-        return folder
-
-    yield mount
-    for folder in mounts:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-
-
 def test_a_small_disk_is_pruned_before_a_save_and_a_full_one_named(data, reference, tmp_path, small_disk):
     size = checkpoint_bytes(max((reference / "checkpoints").glob("step*")))
     disk = small_disk(int(2.6 * size))  # two checkpoints fit (keep_last), a third only once the oldest is pruned

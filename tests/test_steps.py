@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
-from infra.errors import SmolflowError, UpstreamMissing
+from infra.errors import DiskFull, SmolflowError, UpstreamMissing
 from infra.recipe import Strict, operational
-from infra.steps import MANIFEST, PARTIAL, STEPS, Run, Step, SummaryMismatch, finished, identity, require, run_step, statuses, step_id
+from infra.steps import (
+    MANIFEST,
+    PARTIAL,
+    STEPS,
+    Run,
+    Step,
+    SummaryMismatch,
+    fingerprint_tree,
+    finished,
+    identity,
+    require,
+    run_step,
+    statuses,
+    step_id,
+)
 from infra.summaries import Closed, PhaseSummary, read_summary
 from tests.helpers import REPO, micro_recipe, write_recipe
 
@@ -62,6 +78,28 @@ def test_downstream_reruns_only_when_upstream_content_changes(tmp_path):
     up3 = run_step(tmp_path, step("up", calls, "different", v=3), {})
     down3 = run_step(tmp_path, step("down", calls, "d"), {"x": up3})
     assert not down3.cached and down3.step_id != down.step_id
+
+
+def test_a_full_disk_fails_a_step_or_a_result_naming_the_folder_and_its_free_space_and_spares_what_was_committed(small_disk):
+    from tasks.evaluation.results import ModelRef, ResultStore
+
+    disk, calls = small_disk(256 * 1024), []
+    done = run_step(disk, step("small", calls, "x" * 1000), {})
+    with pytest.raises(
+        DiskFull, match=r"step big: no space left writing \S+/\.partial/big-\w+ \(0\.\d MiB free there\); its partial build"
+    ):
+        run_step(disk, step("big", calls, "y" * 2**20), {})
+    assert fingerprint_tree(done.path) == json.loads((done.path / MANIFEST).read_text())["fingerprint"]
+    assert run_step(disk, step("small", calls, "x" * 1000), {}).cached and calls == ["small", "big"]
+
+    shutil.rmtree(disk / STEPS / PARTIAL)  # room for a result, then a larger one that does not fit
+    results, model = ResultStore(str(disk / "results")), ModelRef("m", "f1", "base", "model", "base")
+    first = results.put(model, {"t": {"acc": 0.5}}, "k", None, 1.0)
+    with open(disk / "filler", "wb") as filler, contextlib.suppress(OSError):
+        filler.write(b"0" * 2**20)
+    with pytest.raises(DiskFull, match=r"evaluation results: no space left writing .*\.f1\.json\.tmp \(0\.\d MiB free there\)"):
+        results.put(model, {"t": {"acc": 0.7, "items": [[1.0, 1.0]] * 50_000}}, "k2", None, 1.0)
+    assert results.get("f1") == first and not list((disk / "results").glob(".*.tmp"))
 
 
 def test_failed_build_leaves_no_finished_step(tmp_path):
@@ -244,6 +282,8 @@ def test_a_recipe_can_share_a_project_wide_store(tmp_path, monkeypatch):
     second = Run.open(str(path), "runs/two")
     assert second.build(step("a", calls, v=1), {}).cached and calls == ["a"]
     assert (tmp_path / "runs" / "two" / STEPS).resolve() == (tmp_path / "runs" / "steps").resolve()
+    first.close()
+    second.close()
 
 
 def test_a_run_dir_of_the_old_layout_is_converted_in_place_without_rebuilding(tmp_path):

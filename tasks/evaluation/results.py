@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infra.errors import DiskFull, disk_full
 from infra.locks import acquire
 from infra.recipe import EvalCfg, S3Cfg
 from infra.steps import CHECKPOINTS, FINAL, MANIFEST, Step, folder_step_id, identity, read_manifest, step_id
@@ -233,8 +235,18 @@ class ResultStore:
         record["evaluated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         tmp = f"{self.root}/.{model.fingerprint}.json.tmp"
         self.fs.makedirs(self.root, exist_ok=True)
-        with self.fs.open(tmp, "w") as f:
-            json.dump(record, f, sort_keys=True, separators=(",", ":"))  # compact: item outcomes run to thousands of numbers
+        try:
+            with self.fs.open(tmp, "w") as f:
+                json.dump(record, f, sort_keys=True, separators=(",", ":"))  # compact: item outcomes run to thousands of numbers
+        except OSError as err:
+            if disk_full(err) is None:
+                raise
+            Path(tmp).unlink(missing_ok=True)  # ENOSPC comes from a local disk
+            free = shutil.disk_usage(self.root).free
+            raise DiskFull(
+                f"evaluation results: no space left writing {tmp} ({free / 2**20:.1f} MiB free there); the model's results "
+                "stored before are untouched: free space and rerun (`smolflow eval` scores only what has none)"
+            ) from err
         self.fs.mv(tmp, self._path(model.fingerprint))
         return record
 
