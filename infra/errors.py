@@ -1,5 +1,7 @@
 """Errors a user can act on. Prefect tasks do not retry them: rerunning cannot fix the input."""
 
+import errno
+
 
 class SmolflowError(Exception):
     """Base class; its message is meant for the user, so the CLI prints it without a traceback."""
@@ -32,8 +34,6 @@ class DiskFull(SmolflowError):
 
 def disk_full(err: BaseException) -> OSError | None:
     """The ENOSPC / EDQUOT error behind ERR (itself, or what it was raised from), else None."""
-    import errno
-
     seen: BaseException | None = err
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -6,6 +6,7 @@ the file name instead of being silently ignored halfway through a run.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -748,20 +749,13 @@ def _sets_secret(parts: list[str], value: Any) -> bool:
     """Whether setting a dotted key to VALUE sets a secret field of the schema (directly or inside a mapping)."""
     if isinstance(value, dict):
         return any(_sets_secret([*parts, str(k)], v) for k, v in value.items())
-    model: Any = Recipe
-    for part in parts:
-        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
-        if field is None:
-            return False
-        types = get_args(field.annotation) or (field.annotation,)
-        if SecretStr in types:
-            return True
-        model = next((t for t in types if isinstance(t, type) and issubclass(t, BaseModel)), None)
-    return False
+    return ".".join("N" if p.isdigit() else p for p in parts) in secret_keys()
 
 
+@functools.cache
 def secret_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
-    """The dotted recipe keys of secret fields (`storage.s3.key`, ...), read from the schema (a list item: `N`)."""
+    """The dotted recipe keys of secret fields (`storage.s3.key`, ...), read from the schema (a list item: `N`): what
+    `--set` and a deployment's overrides refuse."""
     keys = []
     for name, field in (model or Recipe).model_fields.items():
         types = get_args(field.annotation) or (field.annotation,)
