@@ -7,8 +7,10 @@ auth string (generated once into `.smolflow/auth`, mode 0600; `source .smolflow/
 it to the prefect CLI), so another local user cannot run a deployment with recipe values of theirs. `start` is
 idempotent (a running server or worker is left alone); `stop` stops workers before the server,
 since a worker whose server vanished first retries its connection instead of exiting. A worker whose
-server dies is stopped within a second (infra/procs.py `guarded`): it would otherwise send the auth
-string to whatever process binds the port next.
+server dies is stopped within a second (infra/procs.py `guarded`): it would otherwise go on sending the
+auth string to whatever process binds the port next. Within that second its first reconnect can still
+reach a process that bound the port at once (seen once on a loaded machine): the client itself does not
+check who listens.
 
 Work pool `smolflow` (type process) has three queues: `default` for the pipeline and stage flows and
 `eval` for scheduled evaluation, one flow run at a time each, so evaluation never takes the training

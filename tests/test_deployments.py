@@ -352,28 +352,25 @@ def test_the_report_card_subflows_and_training_curves_show_in_a_browser(server, 
     assert shown[shown.index("loss", trl) + 1] == "sft"
 
 
-def test_the_worker_stops_with_its_server_and_sends_nothing_to_a_stranger_on_the_port(server):
-    """Last in this file: it kills the module's server. A local user who binds the freed port must not receive the
-    worker's polls, which carry the auth string: the worker is stopped with its server (flows/server.py)."""
+def test_the_worker_stops_with_its_server_and_then_sends_nothing_to_a_stranger_on_the_port(server):
+    """Last in this file: it kills the module's server. The worker, whose polls carry the auth string, is stopped with
+    it (flows/server.py), so a local user who binds the freed port afterwards receives nothing. (Unguarded, the worker
+    went on polling and such a listener got its requests with the auth string. The guard polls once a second: a
+    listener bound within that second can still get the worker's first reconnect; see the module doc.)"""
     worker = psutil.Process(server.pid("worker"))
     workers = [worker, *worker.children(recursive=True)]
     server_tree = psutil.Process(server.pid("server"))
     for p in [*server_tree.children(recursive=True), server_tree]:
         p.kill()
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, f"worker processes outlived their server: {[command_of(p) for p in alive]}"
     received: list[bytes] = []
     stranger = socket.socket()
     stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    deadline = time.time() + 30
-    while True:  # the port frees once the server's processes are reaped
-        try:
-            stranger.bind(("127.0.0.1", server.port))
-            break
-        except OSError:
-            assert time.time() < deadline, "the server's port never freed"
-            time.sleep(0.2)
+    stranger.bind(("127.0.0.1", server.port))
     stranger.listen()
     stranger.settimeout(0.5)
-    end = time.time() + 25  # the worker polls every 10 s (PREFECT_WORKER_QUERY_SECONDS) and beats every 30 s
+    end = time.time() + 15  # a leftover poller would poll within 10 s (PREFECT_WORKER_QUERY_SECONDS)
     while time.time() < end:
         try:
             conn, _ = stranger.accept()
@@ -383,6 +380,4 @@ def test_the_worker_stops_with_its_server_and_sends_nothing_to_a_stranger_on_the
             conn.settimeout(2)
             received.append(conn.recv(65536))
     stranger.close()
-    assert not any(b"Authorization" in r for r in received), f"the auth string went to a stranger: {received}"
-    _, alive = psutil.wait_procs(workers, timeout=5)
-    assert not alive, f"worker processes outlived their server: {[command_of(p) for p in alive]}"
+    assert not received, f"requests reached a stranger on the port: {received}"
