@@ -330,7 +330,7 @@ class Window:
             "mfu": tok_s / world * fpt / peak,
             "peak_flops_per_rank": peak,  # the MFU denominator, so a figure can always be checked
             "eta_s": (cfg.schedule.steps - step) * elapsed / max(self.steps, 1),
-        }
+        } | ({"gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30} if torch.cuda.is_available() else {})  # the peak so far
 
 
 def train(job: TrainJob) -> PhaseSummary:
@@ -401,6 +401,7 @@ def train(job: TrainJob) -> PhaseSummary:
                 f"[{cfg.phase}] step {step}/{cfg.schedule.steps} | loss {metrics['loss']:.4f} | lr {lr:.2e} | "
                 f"{metrics['tokens_per_s']:,.0f} tok/s | {metrics['step_s']:.2f} s/step | MFU {metrics['mfu']:.1%} | "
                 f"eta {metrics['eta_s']:.0f}s"
+                + (f" | GPU memory {metrics['gpu_memory_gib']:.1f} GiB" if "gpu_memory_gib" in metrics else "")
             )
             window = Window()
         stopping = agree(float(preempted.is_set()), torch.distributed.ReduceOp.MAX) > 0
