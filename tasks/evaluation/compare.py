@@ -85,6 +85,13 @@ def _models(run: AblationRunDir) -> dict[str, tuple[str, StepOutput]]:
     return out
 
 
+def model_results(run: AblationRunDir, label: str) -> dict[str, dict[str, Any]]:
+    """task -> metrics of the run's model LABEL from the run's result store ({} until it is finished and scored)."""
+    found = _models(run).get(label)
+    record = ResultStore(str(run.run_dir / "evals" / "results")).get(found[0]) if found else None
+    return {task: entry["metrics"] for task, entry in (record or {"tasks": {}})["tasks"].items()}
+
+
 def _rows(runs: list[AblationRunDir]) -> tuple[list[Row], list[str]]:
     """Rows for every metric of every model that differs between runs; and the labels of models identical in all."""
     models = {r.name: _models(r) for r in runs}

@@ -1,0 +1,172 @@
+"""Swarms: many small proxy runs whose only difference is one phase's mixture, to fit mixture -> loss.
+
+A swarm file is small YAML:
+
+    name: mix_phase1
+    base: ../tiny.yaml          # relative to this file
+    set: [...]                  # the proxy scale-down every proxy shares (as an ablation's `set`)
+    phase: 0                    # the pretraining phase whose mixture is searched
+    proxies: 8
+    seed: 0                     # of the mixture draws (the proxies train with the recipe's seed)
+    concentration: 8            # Dirichlet(concentration x prior): larger stays closer to the prior
+    prior: null                 # default: the base recipe's mixture of that phase
+    bounds: {math: [0.05, 0.6]} # per source, [low, high]
+    targets: {smol_ppl_prose: 1, smol_ppl_code: 1, smol_ppl_math: 1}   # task -> weight of its main metric
+    concurrency: 2
+
+The mixtures are drawn here, from a seeded generator, so a rerun draws the same proxies and every
+proxy is a step identity the store already knows. A draw outside the bounds, or one the caller's
+`admissible` check refuses (the repetition cap, which needs the curated token counts), is redrawn
+and counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from infra.ablation import NAME, AblationCfg, VariantCfg, read_spec, shared_recipe
+from infra.recipe import Recipe, RecipeError, Strict, operational
+
+MAX_DRAWS = 10_000  # per proxy: bounds and the cap that leave no room fail instead of looping
+
+
+class SwarmCfg(Strict):
+    name: str = Field(pattern=NAME)
+    base: str = Field(description="the base recipe, relative to the swarm file")
+    description: str = ""
+    set: list[str] = Field([], description="overrides every proxy shares: the proxy scale-down")
+    phase: int = Field(0, ge=0, description="index of the pretraining phase whose mixture is searched")
+    proxies: int = Field(8, ge=4, le=512)
+    seed: int = 0
+    concentration: float = Field(8.0, gt=0, description="Dirichlet concentration: alpha = concentration x prior")
+    prior: dict[str, float] | None = Field(None, description="default: the base recipe's mixture of the phase")
+    bounds: dict[str, tuple[float, float]] = Field({}, description="per source: [low, high] of its weight")
+    targets: dict[str, float] = Field(min_length=1, description="task -> weight of its main metric in the target (lower is better)")
+    concurrency: int = operational(1, ge=1, description="proxies trained at once (they share the machine's cores)")
+    run_dir: str | None = Field(None, description="default: runs/swarms/NAME")
+
+    @model_validator(mode="after")
+    def _checks(self) -> SwarmCfg:
+        for source, (low, high) in self.bounds.items():
+            if not 0 <= low < high <= 1:
+                raise ValueError(f"bounds.{source}: [{low}, {high}] is not 0 <= low < high <= 1")
+        if any(w <= 0 for w in self.targets.values()):
+            raise ValueError("targets: every weight must be > 0")
+        return self
+
+
+@dataclass(frozen=True)
+class Swarm:
+    cfg: SwarmCfg
+    path: Path
+    base: Path
+    root: Path
+    recipe: Recipe  # the base with the shared overrides
+    sources: list[str]  # the searched phase's sources, in recipe order
+    prior: np.ndarray
+
+    def ablation_cfg(self, mixtures: np.ndarray) -> AblationCfg:
+        """The proxies as an ablation's variants: each sets the searched phase's mixture and nothing else."""
+        variants = [VariantCfg(name=proxy_name(i), set=[self.mixture_override(w)]) for i, w in enumerate(mixtures)]
+        return AblationCfg(
+            name=self.cfg.name,
+            base=self.cfg.base,
+            description=self.cfg.description,
+            set=self.cfg.set,
+            variants=variants,
+            until="pretrain",
+            concurrency=self.cfg.concurrency,
+        )
+
+    def mixture_override(self, weights: np.ndarray) -> str:
+        pairs = ", ".join(f"{s}: {w:g}" for s, w in zip(self.sources, weights, strict=True))
+        return f"pretrain.phases.{self.cfg.phase}.mixture={{{pairs}}}"
+
+    def as_dict(self, weights: np.ndarray) -> dict[str, float]:
+        return {s: round(float(w), 6) for s, w in zip(self.sources, weights, strict=True)}
+
+
+def proxy_name(i: int) -> str:
+    return f"p{i:03d}"
+
+
+def load_swarm(path: str | Path, run_dir: str | None = None) -> Swarm:
+    """Read and validate a swarm file against its base recipe; errors name the file and the key."""
+    path = Path(path)
+    cfg = read_spec(path, SwarmCfg, "swarm")
+    base, recipe = shared_recipe(path, cfg.base, cfg.set)
+    phases = recipe.pretrain.phases
+    if cfg.phase >= len(phases):
+        raise RecipeError(f"{path}: phase: {cfg.phase} is not a phase index of {base.name} (it has {len(phases)})")
+    mixture = phases[cfg.phase].mixture
+    sources = list(mixture)
+    for key, named in (("prior", cfg.prior or {}), ("bounds", cfg.bounds)):
+        if unknown := sorted(set(named) - set(sources)):
+            raise RecipeError(f"{path}: {key}.{unknown[0]}: not a source of phase {phases[cfg.phase].name} ({', '.join(sources)})")
+    evaluated = set(recipe.evaluation.checkpoint_tasks)
+    if missing := sorted(set(cfg.targets) - evaluated):
+        known = ", ".join(sorted(evaluated))
+        raise RecipeError(f"{path}: targets.{missing[0]}: not among the recipe's evaluation.checkpoint_tasks ({known})")
+    prior = np.array([(cfg.prior or mixture).get(s, 0.0) for s in sources], dtype=float)
+    if (prior <= 0).any():
+        raise RecipeError(f"{path}: prior: every source of the phase needs a weight > 0 (a Dirichlet parameter)")
+    prior /= prior.sum()
+    low, high = bounds_of(cfg, sources)
+    if low.sum() > 1 or high.sum() < 1:
+        raise RecipeError(f"{path}: bounds: no mixture fits them (lows sum to {low.sum():g}, highs to {high.sum():g})")
+    root = Path(run_dir or cfg.run_dir or Path("runs") / "swarms" / cfg.name)
+    return Swarm(cfg, path, base, root, recipe, sources, prior)
+
+
+def bounds_of(cfg: SwarmCfg, sources: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    low = np.array([cfg.bounds.get(s, (0.0, 1.0))[0] for s in sources])
+    high = np.array([cfg.bounds.get(s, (0.0, 1.0))[1] for s in sources])
+    return low, high
+
+
+@dataclass(frozen=True)
+class Draws:
+    mixtures: np.ndarray  # (n, sources), each row sums to 1
+    redrawn: dict[str, int]  # why draws were refused -> how many
+
+
+def draw_mixtures(swarm: Swarm, n: int, seed: int, admissible: Callable[[np.ndarray], str | None] = lambda w: None) -> Draws:
+    """`n` mixtures from Dirichlet(concentration x prior), RegMix-style, each within the bounds and passing
+    `admissible` (None, or why not); refused draws are redrawn and counted by reason. The prior
+    itself comes first when it is admissible: the swarm's anchor, the mixture a hand-set recipe would use."""
+    rng = np.random.default_rng(seed)
+    low, high = bounds_of(swarm.cfg, swarm.sources)
+    alpha = swarm.cfg.concentration * swarm.prior
+    chosen: list[np.ndarray] = []
+    redrawn: dict[str, int] = {}
+
+    def refuse(w: np.ndarray) -> str | None:
+        if (w < low - 1e-12).any() or (w > high + 1e-12).any():
+            return "outside the bounds"
+        return admissible(w)
+
+    candidates = [swarm.prior]
+    while len(chosen) < n:
+        w = rounded(candidates.pop() if candidates else rng.dirichlet(alpha))
+        if (why := refuse(w)) is None:
+            chosen.append(w)
+            continue
+        redrawn[why] = redrawn.get(why, 0) + 1
+        if sum(redrawn.values()) > MAX_DRAWS * n:
+            raise RecipeError(
+                f"{swarm.path}: {len(chosen)} of {n} mixtures after {sum(redrawn.values())} draws ({redrawn}): widen the bounds, "
+                "lower the phases' tokens or raise pretrain.max_epochs"
+            )
+    return Draws(np.array(chosen), redrawn)
+
+
+def rounded(w: np.ndarray, places: int = 4) -> np.ndarray:
+    """Weights a recipe accepts as written: each > 0 at PLACES decimals, summing to 1 (the largest takes the rest)."""
+    w = np.maximum(np.round(w, places), 10.0**-places)
+    w[np.argmax(w)] += 1 - w.sum()
+    return np.round(w, places)

@@ -1,0 +1,159 @@
+"""Mixture swarms: draws inside the bounds and the repetition cap (refusals counted), fits that find a
+planted mixture -> loss law and propose its optimum, Olmix's CSV format, and a swarm run end to end."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from infra.recipe import RecipeError
+from infra.swarm import draw_mixtures, load_swarm, proxy_name
+from tests.helpers import micro_recipe, write_recipe
+
+TARGETS = {"smol_ppl_code": 1.0, "smol_ppl_math": 1.0, "smol_ppl_prose": 1.0}
+FAST = {
+    "pretrain.checkpoint.every_steps": 1000,
+    "evaluation.checkpoint_tasks": list(TARGETS),
+    "evaluation.model_tasks": [],
+    "evaluation.limit": 8,
+}
+
+
+def swarm_file(tmp_path: Path, **extra) -> Path:
+    base = write_recipe(tmp_path / "micro.yaml", micro_recipe(**FAST))
+    spec = {"name": "mix", "base": base.name, "phase": 0, "proxies": 4, "seed": 3, "targets": TARGETS, **extra}
+    path = tmp_path / "swarm.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def test_draws_stay_in_bounds_pass_the_callers_check_and_count_what_was_redrawn(tmp_path):
+    swarm = load_swarm(swarm_file(tmp_path, proxies=40, bounds={"math": [0.05, 0.3]}, concentration=4))
+    refused_math = lambda w: "too much code" if w[swarm.sources.index("code")] > 0.5 else None  # noqa: E731
+    draws = draw_mixtures(swarm, 40, seed=3, admissible=refused_math)
+    w = draws.mixtures
+    assert w.shape == (40, 3) and np.allclose(w.sum(axis=1), 1) and (w > 0).all()
+    math_, code = w[:, swarm.sources.index("math")], w[:, swarm.sources.index("code")]
+    assert (math_ >= 0.05).all() and (math_ <= 0.3).all() and (code <= 0.5).all()
+    assert draws.redrawn["outside the bounds"] > 0 and draws.redrawn["too much code"] > 0
+    assert np.allclose(w[0], swarm.prior)  # the prior is the first proxy
+    assert np.array_equal(draw_mixtures(swarm, 40, seed=3, admissible=refused_math).mixtures, w)  # a rerun draws the same proxies
+    assert len({tuple(r) for r in w}) == 40
+
+
+def test_a_swarm_file_is_checked_against_its_base_recipe(tmp_path):
+    with pytest.raises(RecipeError, match=r"swarm.yaml: bounds.maths: not a source of phase phase1"):
+        load_swarm(swarm_file(tmp_path, bounds={"maths": [0, 0.5]}))
+    with pytest.raises(RecipeError, match=r"targets.smol_arithmetic_gen: not among the recipe's evaluation.checkpoint_tasks"):
+        load_swarm(swarm_file(tmp_path, targets={"smol_arithmetic_gen": 1}))
+    with pytest.raises(RecipeError, match=r"bounds: no mixture fits them"):
+        load_swarm(swarm_file(tmp_path, bounds={"math": [0.6, 0.9], "code": [0.5, 0.9]}))
+    with pytest.raises(RecipeError, match=r"phase: 7 is not a phase index"):
+        load_swarm(swarm_file(tmp_path, phase=7))
+
+
+def planted(w: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-source losses with a known optimum: each source's loss falls with its own weight (log-linear)."""
+    return {
+        "prose": np.exp(1.6 - 1.2 * w[:, 0] - 0.1 * w[:, 1]),
+        "code": np.exp(1.4 - 1.5 * w[:, 1] + 0.2 * w[:, 0]),
+        "math": np.exp(1.2 - 2.5 * w[:, 2]),
+    }
+
+
+def test_the_fits_rank_proxies_of_a_planted_law_and_the_proposal_beats_every_proxy():
+    from tasks.evaluation.swarm import choose, fit, propose, rank_agreement
+
+    rng = np.random.default_rng(0)
+    prior = np.array([0.45, 0.45, 0.10])
+    w = rng.dirichlet(6 * prior, 24)
+    noise = {k: v * np.exp(rng.normal(0, 0.005, len(w))) for k, v in planted(w).items()}  # measurement noise
+    weights = {"prose": 1.0, "code": 1.0, "math": 1.0}
+    fits = [fit(family, w, noise, weights) for family in ("log-linear", "lightgbm")]
+    by = {f.family: f for f in fits}
+    assert by["log-linear"].spearman > 0.95 and all(r > 0.9 for r in by["log-linear"].per_task.values())
+    assert by["lightgbm"].spearman > 0.3  # trees on 24 points: a rougher ranking, still with signal
+    assert choose(fits).family == "log-linear"
+    low, high = np.zeros(3), np.array([1.0, 1.0, 0.4])
+    best, predicted, candidates = propose(choose(fits).predict, prior, 6, low, high, lambda x: None, seed=0)
+    truth = lambda x: sum(planted(np.atleast_2d(x)).values()) / 3  # noqa: E731
+    measured = sum(noise.values()) / 3
+    assert best[2] <= 0.4 + 1e-9 and candidates > 1000
+    assert truth(best)[0] < measured.min(), "the proposal is better than every proxy under the true law"
+    assert predicted == pytest.approx(truth(best)[0], rel=0.02)
+    # on 4 proxies the trees cannot split: each held-out proxy gets the mean of the others, which ranks them
+    # backwards, and the log-linear fit is chosen
+    few = [fit(family, w[:4], {k: v[:4] for k, v in noise.items()}, weights) for family in ("lightgbm", "log-linear")]
+    assert few[0].spearman == pytest.approx(-1) and choose(few).family == "log-linear"
+    # a constant prediction ranks nothing: n/a, never chosen
+    assert np.isnan(rank_agreement(np.ones(4), np.arange(4.0)))
+    assert choose([replace(few[1], spearman=math.nan), few[0]]).family == "lightgbm"
+
+
+def test_the_report_writes_olmix_ratios_and_metrics(tmp_path):
+    from tasks.evaluation.swarm import Evidence, fit, publish
+
+    rng = np.random.default_rng(1)
+    w = rng.dirichlet([4, 4, 2], 8)
+    scores = {f"smol_ppl_{k}": v for k, v in planted(w).items()}
+    ev = Evidence([proxy_name(i) for i in range(8)], ["prose", "code", "math"], w, scores, dict.fromkeys(scores, "bits_per_byte"), [])
+    weights = dict.fromkeys(scores, 1.0)
+    fits = [fit(f, w, scores, weights) for f in ("log-linear", "lightgbm")]
+    proposal = {"mixture": {"prose": 0.3, "code": 0.3, "math": 0.4}, "predicted": 1.0, "candidates": 10, "family": "log-linear"}
+    path = publish(tmp_path / "mix", "mix", ["# Swarm mix"], ev, weights, fits, proposal, np.array([0.45, 0.45, 0.1]))
+    out = path.parent
+    with open(out / "ratios.csv") as f:
+        ratios = list(csv.DictReader(f))
+    with open(out / "metrics.csv") as f:
+        metrics = list(csv.DictReader(f))
+    assert list(ratios[0]) == ["run_id", "name", "prose", "code", "math"]
+    assert [r["run_id"] for r in ratios] == [r["run_id"] for r in metrics] == [proxy_name(i) for i in range(8)]
+    assert all(abs(sum(float(r[s]) for s in ("prose", "code", "math")) - 1) < 1e-4 for r in ratios)
+    assert "smol_ppl_math/bits_per_byte" in metrics[0] and "target" in metrics[0]
+    target = sum(scores.values()) / 3
+    assert [float(r["target"]) for r in metrics] == pytest.approx(target, abs=1e-5)
+    data = json.loads((out / "swarm.json").read_text())
+    assert data["chosen"] == "log-linear" and len(data["proxies"]) == 8 and data["trusted"] is True
+    text = path.read_text()
+    assert "## Proposed mixture" in text and "(chosen)" in text and (out / "fit.png").is_file()
+
+
+@pytest.mark.slow
+def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds_nothing(tmp_path, prefect_server):
+    from flows.swarm import swarm_flow
+
+    # the micro recipe holds out no math documents: its bits per byte cannot be a target
+    path = swarm_file(tmp_path, concurrency=2, bounds={"math": [0.05, 0.5]}, targets={"smol_ppl_code": 1.0, "smol_ppl_prose": 2.0})
+    root = tmp_path / "sw"
+    report = Path(swarm_flow(str(path), str(root)))
+
+    builds = [json.loads(line)["folder"].rsplit("-", 1)[0] for line in (root / "steps" / "builds.jsonl").read_text().splitlines()]
+    assert builds.count("tokenize") == 1 and builds.count("filter") == 1, "curation is built once for every proxy"
+    # the prior's proxy shares the curation run's mixtures step; every other proxy draws its own
+    assert builds.count("mixtures") == 4 and builds.count("pretrain_phase1") == 4 and builds.count("pretrain_long_context") == 4
+    with open(root / "report" / "ratios.csv") as f:
+        ratios = list(csv.DictReader(f))
+    assert [r["run_id"] for r in ratios] == [proxy_name(i) for i in range(4)]
+    for r in ratios:  # each proxy trained the mixture it was drawn with
+        manifest = json.loads((root / r["run_id"] / "mixtures" / "mixtures.json").read_text())
+        weights = {s: row["weight"] for s, row in manifest["phases"][0]["sources"].items()}
+        assert weights == pytest.approx({s: float(r[s]) for s in ("prose", "code", "math")}, abs=1e-6)
+        assert 0.05 <= weights["math"] <= 0.5
+    with open(root / "report" / "metrics.csv") as f:
+        metrics = list(csv.DictReader(f))
+    targets = [float(m["target"]) for m in metrics]
+    assert len(set(targets)) == 4 and all(0 < t < 20 for t in targets), "each proxy's bits per byte, measured on its own model"
+    data = json.loads((root / "report" / "swarm.json").read_text())
+    proposal = data["proposal"]["mixture"]
+    assert sum(proposal.values()) == pytest.approx(1, abs=1e-6) and 0.05 <= proposal["math"] <= 0.5
+    assert "## Proposed mixture" in report.read_text() and (root / "report" / "fit.png").is_file()
+
+    swarm_flow(str(path), str(root))  # the same draws, the same step identities: nothing is built again
+    assert len((root / "steps" / "builds.jsonl").read_text().splitlines()) == len(builds)
