@@ -269,28 +269,31 @@ def swarm(
     run_dir: Annotated[str | None, typer.Option("--run-dir", help="Folder of the swarm (default: runs/swarms/<name>).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="The proxies' mixtures and what each would build; run nothing.")] = False,
     report_only: Annotated[bool, typer.Option("--report", help="Only refit and rewrite the report from what the proxies hold.")] = False,
+    set_: SetOpt = None,
 ) -> None:
     """Search one pretraining phase's mixture with a swarm of small proxy runs, then fit and propose.
 
     The base recipe is curated once; N mixtures are drawn around the phase's prior (Dirichlet, seeded, within
     the bounds and pretrain.max_epochs: refused draws are redrawn and counted); each proxy is a run of an ablation
     (shared steps built once, `concurrency` at a time). A log-linear and a lightgbm fit of mixture -> target
-    (the target tasks' weighted main metric) are compared out of fold; the better one proposes a mixture.
-    report/swarm.md, ratios.csv and metrics.csv (Olmix's format) land in the swarm's folder."""
+    (the target tasks' weighted main metric) are compared out of fold; the better one proposes a mixture, which
+    is then trained beside the prior and the natural mixture at a larger scale over seeds (`validation`).
+    report/swarm.md, ratios.csv and metrics.csv (Olmix's format) land in the swarm's folder. `--set` applies to
+    every run, e.g. `--set @configs/overlays/slurm.yaml` trains each proxy's phases as Slurm jobs."""
     from flows.ablation import plan_table
     from flows.swarm import explain, known_tokens, open_swarm, swarm_flow
     from flows.swarm import report as swarm_report
     from infra.swarm import load_swarm
 
     try:
-        available = known_tokens(load_swarm(swarm_file, run_dir))
-        sw, draws, abl = open_swarm(str(swarm_file), run_dir, available)  # every proxy validated before a server starts
+        available = known_tokens(load_swarm(swarm_file, run_dir, set_))
+        sw, draws, abl = open_swarm(str(swarm_file), run_dir, available, set_)  # every proxy validated before a server starts
         if dry_run:
             typer.echo("\n".join(explain(sw, draws, known_tokens=available is not None) + [""] + plan_table(abl)[0]))
             return
         if report_only and available is None:
             raise SmolflowError(f"{sw.root}: no finished curation run yet: run the swarm first")
-        path = swarm_report(sw, draws, abl, available) if report_only else swarm_flow(str(swarm_file), run_dir)
+        path = swarm_report(sw, draws, abl, available) if report_only else swarm_flow(str(swarm_file), run_dir, set_)
     except SmolflowError as err:
         _fail(err)
     typer.echo(str(path))

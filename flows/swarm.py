@@ -9,22 +9,31 @@ tokens each source has), one run dir per proxy (`p000` is the prior), the shared
 
 from __future__ import annotations
 
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
 from prefect import flow, get_run_logger
 
+import flows.ablation
 from flows.ablation import checked, link_stores, run_all, store_of
 from flows.graph import build_graph
-from flows.pipeline import STAGE_FLOWS
-from infra.ablation import Ablation, resolve_ablation
-from infra.steps import finished
-from infra.swarm import Draws, Swarm, bounds_of, draw_mixtures, load_swarm, proxy_name
+from flows.pipeline import STAGE_FLOWS, Overrides
+from infra.ablation import Ablation, AblationCfg, AblationRun, VariantCfg, resolve_ablation
+from infra.steps import finished, read_manifest
+from infra.swarm import Draws, Swarm, bounds_of, draw_mixtures, load_swarm, proxy_name, rounded
 from tasks.curation.mixtures import MixtureError, resolve_mixtures
 from tasks.evaluation.compare import AblationRunDir, model_results
-from tasks.evaluation.results import main_metric
-from tasks.evaluation.swarm import FAMILIES, Evidence, choose, fit, propose, publish
+from tasks.evaluation.results import fingerprint_listing, main_metric
+from tasks.evaluation.swarm import FAMILIES, Evidence, Fit, choose, fit, propose, publish
 from tasks.pretrain import mixture_phases
 
 CURATION = "curation"
+TOKENS = "data"  # the tokenize step's folder of token files, one sub-folder per source
+VALIDATE = "validate"  # ROOT/validate: the proposal beside the prior and the natural mixture at a larger scale
 CAP = "over the repetition cap (pretrain.max_epochs)"
 
 
@@ -37,15 +46,23 @@ def available_tokens(swarm: Swarm) -> dict[str, int]:
     return known_tokens(swarm)
 
 
+def domain_fingerprints(swarm: Swarm) -> dict[str, str]:
+    """Each source's tokens as the proxies read them: one digest of the tokenize step's files of that source
+    (from its manifest's MD5s), so the evidence names the data it was measured on, not just its name."""
+    files = read_manifest(swarm.root / CURATION / build_graph(swarm.recipe).curation["tokenized"].name)["files"]
+    return {s: fingerprint_listing({rel: r["md5"] for rel, r in files.items() if rel.startswith(f"{TOKENS}/{s}/")}) for s in swarm.sources}
+
+
 def known_tokens(swarm: Swarm) -> dict[str, int] | None:
     """Tokens per source from the swarm's curation run, if it finished (the dry run and `--report` read them)."""
     tokens = finished(swarm.root / CURATION, build_graph(swarm.recipe).curation["tokenized"])
     return {name: s.tokens for name, s in tokens.summary.sources.items()} if tokens else None
 
 
-def repetition_cap(swarm: Swarm, available: dict[str, int]):
-    """The mixtures step's own check (tasks/curation/mixtures.py) on the recipe's phases with one mixture changed."""
-    phases = mixture_phases(swarm.recipe.pretrain)
+def repetition_cap(swarm: Swarm, available: dict[str, int], scale: int = 1):
+    """The mixtures step's own check (tasks/curation/mixtures.py) on the recipe's phases, their tokens x SCALE,
+    with the searched phase's mixture changed."""
+    phases = [ph.model_copy(update={"tokens": ph.tokens * scale}) for ph in mixture_phases(swarm.recipe.pretrain)]
     max_epochs = swarm.recipe.pretrain.max_epochs
 
     def admissible(w: np.ndarray) -> str | None:
@@ -60,9 +77,11 @@ def repetition_cap(swarm: Swarm, available: dict[str, int]):
     return admissible
 
 
-def open_swarm(path: str, run_dir: str | None = None, available: dict[str, int] | None = None) -> tuple[Swarm, Draws, Ablation]:
+def open_swarm(
+    path: str, run_dir: str | None = None, available: dict[str, int] | None = None, overrides: list[str] | None = None
+) -> tuple[Swarm, Draws, Ablation]:
     """The swarm, its proxies' mixtures (within the cap when AVAILABLE is known) and the ablation that trains them."""
-    swarm = load_swarm(path, run_dir)
+    swarm = load_swarm(path, run_dir, overrides)
     admissible = repetition_cap(swarm, available) if available is not None else (lambda w: None)
     draws = draw_mixtures(swarm, swarm.cfg.proxies, swarm.cfg.seed, admissible)
     return swarm, draws, checked(resolve_ablation(swarm.ablation_cfg(draws.mixtures), swarm.path, swarm.root))
@@ -80,33 +99,51 @@ def explain(swarm: Swarm, draws: Draws, known_tokens: bool) -> list[str]:
     ]
     if not known_tokens:
         lines.append("  (the repetition cap is checked once curation has counted each source's tokens: some draws may change)")
+    if v := cfg.validation:
+        lines.append(f"  then: the proposal, the prior and the natural mixture at {v.scale}x the proxies' tokens, {v.seeds} seeds each")
     return lines
 
 
 @flow(name="swarm")
-def swarm_flow(swarm: str, run_dir: str | None = None) -> str:
-    """Train the proxies of the swarm file SWARM, fit mixture -> target on their scores and propose a mixture;
-    returns the report's path. A rerun reuses every proxy already trained (same draws, same step identities)."""
+def swarm_flow(swarm: str, run_dir: str | None = None, overrides: Overrides = None) -> str:
+    """Train the proxies of the swarm file SWARM, fit mixture -> target on their scores and propose a mixture,
+    then train the proposal beside the prior and the natural mixture at a larger scale (`validation`); returns
+    the report's path. A rerun reuses every run already trained (same draws, same step identities)."""
     log = get_run_logger()
-    sw = load_swarm(swarm, run_dir)
-    available = available_tokens(sw)
-    sw, draws, abl = open_swarm(swarm, run_dir, available)
+    available = available_tokens(load_swarm(swarm, run_dir, overrides))
+    sw, draws, abl = open_swarm(swarm, run_dir, available, overrides)
     for line in explain(sw, draws, known_tokens=True):
         log.info(line)
     run_all(abl)
-    return str(report(sw, draws, abl, available))
+    path = report(sw, draws, abl, available)  # the proposal, readable while its validation trains
+    if sw.cfg.validation:
+        check, refused = validation(sw, available, analyse(sw, draws, abl, available))
+        for name, why in refused.items():
+            log.warning("swarm %s: the %s mixture is not validated: %s", sw.cfg.name, name, why)
+        run_all(check)
+        flows.ablation.report(check)
+        path = report(sw, draws, abl, available)
+    return str(path)
+
+
+def target_scores(swarm: Swarm, root: Path, run: AblationRun) -> dict[str, tuple[str, float]]:
+    """task -> (metric, value) of the run's final pretrained model on the swarm's target tasks, where scored."""
+    graph = build_graph(run.recipe)
+    tasks = model_results(AblationRunDir(run.name, run.variant, root / run.name, graph.steps), graph.phases[-1].model)
+    return {t: main for t in swarm.cfg.targets if t in tasks and (main := main_metric(tasks[t]))}
+
+
+def target_of(swarm: Swarm, scores: dict[str, tuple[str, float]]) -> float:
+    weights = swarm.cfg.targets
+    return sum(weights[t] * scores[t][1] for t in weights) / sum(weights.values())
 
 
 def evidence(swarm: Swarm, draws: Draws, abl: Ablation) -> Evidence:
     """Each proxy's final pretrained model's scores on the target tasks, from the shared result store."""
     names, mixtures, rows, missing, metric = [], [], [], [], {}
     for i, run in enumerate(abl.runs):
-        graph = build_graph(run.recipe)
-        tasks = model_results(AblationRunDir(run.name, run.variant, abl.root / run.name, graph.steps), graph.phases[-1].model)
-        scores = {}
-        for task in swarm.cfg.targets:
-            if task in tasks and (main := main_metric(tasks[task])):
-                metric[task], scores[task] = main
+        scores = target_scores(swarm, abl.root, run)
+        metric |= {t: m for t, (m, _) in scores.items()}
         if len(scores) < len(swarm.cfg.targets):
             missing.append(run.name)
             continue
@@ -117,13 +154,26 @@ def evidence(swarm: Swarm, draws: Draws, abl: Ablation) -> Evidence:
         names,
         swarm.sources,
         np.array(mixtures),
-        {t: np.array([r[t] for r in rows]) for t in swarm.cfg.targets},
+        {t: np.array([r[t][1] for r in rows]) for t in swarm.cfg.targets},
         metric,
         missing,
+        domain_fingerprints(swarm),
     )
 
 
-def report(swarm: Swarm, draws: Draws, abl: Ablation, available: dict[str, int]):
+@dataclass
+class Proposal:
+    """What the proxies say: their evidence, both fits, the chosen one and the mixture it proposes."""
+
+    evidence: Evidence
+    fits: list[Fit]
+    chosen: Fit
+    mixture: np.ndarray
+    predicted: float
+    candidates: int
+
+
+def analyse(swarm: Swarm, draws: Draws, abl: Ablation, available: dict[str, int]) -> Proposal:
     ev = evidence(swarm, draws, abl)
     if len(ev.names) < 4:
         unscored = sorted(set(swarm.cfg.targets) - set(ev.metric))
@@ -131,13 +181,91 @@ def report(swarm: Swarm, draws: Draws, abl: Ablation, available: dict[str, int])
             f"swarm {swarm.cfg.name}: {len(ev.names)} of {len(abl.runs)} proxies have a score for every target task; a fit needs 4"
             + (f" ({', '.join(unscored)}: no proxy has a score for it; see the proxies' evaluation logs)" if unscored else "")
         )
-    weights = swarm.cfg.targets
-    fits = [fit(family, ev.mixtures, ev.scores, weights) for family in FAMILIES]
+    fits = [fit(family, ev.mixtures, ev.scores, swarm.cfg.targets) for family in FAMILIES]
     chosen = choose(fits)
     low, high = bounds_of(swarm.cfg, swarm.sources)
-    best, predicted, candidates = propose(
-        chosen.predict, swarm.prior, swarm.cfg.concentration, low, high, repetition_cap(swarm, available), swarm.cfg.seed
+    cap = repetition_cap(swarm, available)
+    best, predicted, candidates = propose(chosen.predict, swarm.prior, swarm.cfg.concentration, low, high, cap, swarm.cfg.seed)
+    return Proposal(ev, fits, chosen, best, predicted, candidates)
+
+
+def validation(swarm: Swarm, available: dict[str, int], proposal: Proposal) -> tuple[Ablation, dict[str, str]]:
+    """The proposed, prior (hand-set) and natural (token-proportional) mixtures as an ablation at `validation.scale`
+    x the proxies' tokens, `validation.seeds` seeds each, in the proxies' step store; a mixture the repetition cap
+    refuses at that scale is left out (returned with the reason)."""
+    v = swarm.cfg.validation
+    natural = rounded(np.array([available[s] for s in swarm.sources], dtype=float) / sum(available[s] for s in swarm.sources))
+    cap = repetition_cap(swarm, available, v.scale)
+    mixtures = {"proposed": proposal.mixture, "prior": swarm.prior, "natural": natural}
+    refused = {name: why for name, w in mixtures.items() if (why := cap(w))}
+    scale = [f"pretrain.phases.{i}.tokens={ph.tokens * v.scale}" for i, ph in enumerate(swarm.recipe.pretrain.phases)]
+    store = f"storage.store={store_of(swarm.recipe, swarm.root).resolve()}"
+    cfg = AblationCfg(
+        name=f"{swarm.cfg.name}-validate",
+        base=swarm.cfg.base,
+        description=f"the swarm's proposal beside the prior and the natural mixture at {v.scale}x the proxies' tokens",
+        set=[*swarm.cfg.set, *scale, store],
+        variants=[VariantCfg(name=n, set=[swarm.mixture_override(w)]) for n, w in mixtures.items() if n not in refused],
+        baseline="prior" if "prior" not in refused else None,
+        seeds=v.seeds,
+        seed_key="pretrain.seed",
+        until="pretrain",
+        concurrency=swarm.cfg.concurrency,
     )
+    return checked(resolve_ablation(cfg, swarm.path, swarm.root / VALIDATE)), refused
+
+
+def validated(swarm: Swarm, proposal: Proposal, check: Ablation) -> list[str]:
+    """The validation's section of the report: measured targets at scale, the paired verdicts against the prior,
+    and how often the proxies' fit ordered two mixtures as the larger runs did."""
+    measured: dict[str, list[float]] = {}
+    mixture: dict[str, np.ndarray] = {}
+    for run in check.runs:
+        scores = target_scores(swarm, check.root, run)
+        mixture[run.variant] = np.array([run.recipe.pretrain.phases[swarm.cfg.phase].mixture[s] for s in swarm.sources])
+        if len(scores) == len(swarm.cfg.targets):
+            measured.setdefault(run.variant, []).append(target_of(swarm, scores))
+    if not measured:
+        return ["## Validation", "", f"_no validation run is scored yet ({check.root})_"]
+    names = [n for n in mixture if n in measured]
+    predicted = {n: float(proposal.chosen.predict(mixture[n][None, :])[0]) for n in names}
+    mean = {n: float(np.mean(measured[n])) for n in names}
+    pairs = list(itertools.combinations(names, 2))
+    agree = sum((predicted[a] < predicted[b]) == (mean[a] < mean[b]) for a, b in pairs)
+    v = swarm.cfg.validation
+    lines = [
+        f"## Validation at {v.scale}x the proxies' tokens, {v.seeds} seeds",
+        "",
+        "| mixture | " + " | ".join(swarm.sources) + " | predicted by the proxies' fit | measured target (mean ± sd) |",
+        "|---" * (3 + len(swarm.sources)) + "|",
+    ]
+    for n in names:
+        sd = float(np.std(measured[n], ddof=1)) if len(measured[n]) > 1 else math.nan
+        cells = " | ".join(f"{x:.3f}" for x in mixture[n])
+        lines.append(f"| {n} | {cells} | {predicted[n]:.4f} | {mean[n]:.4f} ± {sd:.4f} ({len(measured[n])}) |")
+    winner = min(names, key=mean.get)
+    comparison = check.root / "report" / "ablation.json"
+    verdicts = []
+    if comparison.is_file():
+        label = build_graph(check.runs[0].recipe).phases[-1].model
+        rows = json.loads(comparison.read_text())["rows"]
+        verdicts = [f"{e['task']}: {e['verdict']}" for e in rows if e["model"] == label and e["variant"] == "proposed" and "verdict" in e]
+    lines += [
+        "",
+        f"Lowest measured target: **{winner}**"
+        + (" (the proposal won)." if winner == "proposed" else " (the proposal did not win)." if "proposed" in names else "."),
+        f"Proposed vs prior, per target task (paired over the same documents, `{VALIDATE}/report/ablation.md`): "
+        + ("; ".join(verdicts) or "not compared yet")
+        + ".",
+        f"The proxies' fit orders {agree} of {len(pairs)} pairs of these mixtures as the larger runs do"
+        f" ({agree / max(len(pairs), 1):.0%}).",
+    ]
+    return lines
+
+
+def report(swarm: Swarm, draws: Draws, abl: Ablation, available: dict[str, int]) -> Path:
+    """The swarm's report as its runs hold it now: proxies, fits, proposal and, once trained, its validation."""
+    p = analyse(swarm, draws, abl, available)
     header = [
         f"# Swarm {swarm.cfg.name}: the mixture of phase {swarm.recipe.pretrain.phases[swarm.cfg.phase].name}",
         "",
@@ -148,5 +276,8 @@ def report(swarm: Swarm, draws: Draws, abl: Ablation, available: dict[str, int])
         f"redrawn: {', '.join(f'{n} {why}' for why, n in draws.redrawn.items()) or 'none'}.",
         f"Tokens per source after curation: {', '.join(f'{s} {n:,}' for s, n in available.items())}.",
     ]
-    proposal = {"mixture": swarm.as_dict(best), "predicted": predicted, "candidates": candidates, "family": chosen.family}
-    return publish(swarm.root, swarm.cfg.name, header, ev, weights, fits, proposal, swarm.prior)
+    proposal = {"mixture": swarm.as_dict(p.mixture), "predicted": p.predicted, "candidates": p.candidates, "family": p.chosen.family}
+    extra = []
+    if swarm.cfg.validation and (swarm.root / VALIDATE).is_dir():
+        extra = validated(swarm, p, validation(swarm, available, p)[0])
+    return publish(swarm.root, swarm.cfg.name, header, p.evidence, swarm.cfg.targets, p.fits, proposal, swarm.prior, extra)

@@ -35,6 +35,13 @@ from infra.recipe import Recipe, RecipeError, Strict, operational
 MAX_DRAWS = 10_000  # per proxy: bounds and the cap that leave no room fail instead of looping
 
 
+class ValidationCfg(Strict):
+    """The proposal checked where it matters: trained beside the prior and the natural mixture at a larger scale."""
+
+    scale: int = Field(4, ge=2, description="x the proxies' tokens, every phase")
+    seeds: int = Field(2, ge=2, le=20, description="runs per mixture (pretrain.seed varies: initial weights and batch order)")
+
+
 class SwarmCfg(Strict):
     name: str = Field(pattern=NAME)
     base: str = Field(description="the base recipe, relative to the swarm file")
@@ -47,6 +54,7 @@ class SwarmCfg(Strict):
     prior: dict[str, float] | None = Field(None, description="default: the base recipe's mixture of the phase")
     bounds: dict[str, tuple[float, float]] = Field({}, description="per source: [low, high] of its weight")
     targets: dict[str, float] = Field(min_length=1, description="task -> weight of its main metric in the target (lower is better)")
+    validation: ValidationCfg | None = Field(ValidationCfg(), description="null: propose without training the proposal at a larger scale")
     concurrency: int = operational(1, ge=1, description="proxies trained at once (they share the machine's cores)")
     run_dir: str | None = Field(None, description="default: runs/swarms/NAME")
 
@@ -95,10 +103,12 @@ def proxy_name(i: int) -> str:
     return f"p{i:03d}"
 
 
-def load_swarm(path: str | Path, run_dir: str | None = None) -> Swarm:
-    """Read and validate a swarm file against its base recipe; errors name the file and the key."""
+def load_swarm(path: str | Path, run_dir: str | None = None, overrides: list[str] | None = None) -> Swarm:
+    """Read and validate a swarm file against its base recipe; errors name the file and the key. OVERRIDES
+    (e.g. `@configs/overlays/slurm.yaml`: where proxies train) follow the file's own `set`."""
     path = Path(path)
     cfg = read_spec(path, SwarmCfg, "swarm")
+    cfg = cfg.model_copy(update={"set": [*cfg.set, *(overrides or [])]})
     base, recipe = shared_recipe(path, cfg.base, cfg.set)
     phases = recipe.pretrain.phases
     if cfg.phase >= len(phases):

@@ -394,3 +394,40 @@ def test_the_pipeline_deployment_curates_on_ray_and_pretrains_as_slurm_jobs(slur
     assert phases and all((run_dir / name / "job.sbatch").exists() and (run_dir / name / "slurm.log").exists() for name in phases)
     assert all("#SBATCH --requeue" in (run_dir / name / "job.sbatch").read_text() for name in phases)
     assert slurm.jobs() == []
+
+
+def test_a_swarm_trains_its_proxies_as_slurm_jobs_at_once(slurm, prefect_server, tmp_path):
+    """`smolflow swarm FILE --set OVERLAY` with the pretraining launcher on Slurm: `concurrency: 2` puts two
+    proxies' phases in the queue at once, every proxy is fitted, and no job is left behind."""
+    import csv
+
+    import yaml
+
+    from flows.swarm import swarm_flow
+    from tests.test_swarm import swarm_file
+
+    targets = {"smol_ppl_code": 1.0, "smol_ppl_prose": 2.0}  # the micro recipe holds out no math documents
+    path = swarm_file(tmp_path, concurrency=2, bounds={"math": [0.05, 0.5]}, targets=targets, validation=None)
+    overlay = tmp_path / "slurm.yaml"
+    overlay.write_text(yaml.safe_dump({"pretrain.launcher.kind": "slurm", "pretrain.launcher.slurm.time": "10"}))
+    running: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            running.append(sum(1 for j in slurm.jobs() if j["state"] == "RUNNING" and "pretrain_" in j["name"]))
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        swarm_flow(str(path), str(tmp_path / "sw"), [f"@{overlay}"])
+    finally:
+        stop.set()
+        watcher.join()
+    assert max(running) >= 2, f"at most {max(running)} proxy phase(s) ran at once"
+    with open(tmp_path / "sw" / "report" / "metrics.csv") as f:
+        assert [r["run_id"] for r in csv.DictReader(f)] == ["p000", "p001", "p002", "p003"]
+    for proxy in ("p000", "p001", "p002", "p003"):  # every phase of every proxy was a batch job
+        assert all((tmp_path / "sw" / proxy / p / "slurm.log").is_file() for p in ("pretrain_phase1", "pretrain_long_context"))
+    assert slurm.jobs() == []

@@ -17,6 +17,7 @@ from infra.recipe import RecipeError
 from infra.swarm import draw_mixtures, load_swarm, proxy_name
 from tests.helpers import micro_recipe, write_recipe
 
+VALIDATED = ("proposed", "prior", "natural")
 TARGETS = {"smol_ppl_code": 1.0, "smol_ppl_math": 1.0, "smol_ppl_prose": 1.0}
 FAST = {
     "pretrain.checkpoint.every_steps": 1000,
@@ -103,7 +104,9 @@ def test_the_report_writes_olmix_ratios_and_metrics(tmp_path):
     rng = np.random.default_rng(1)
     w = rng.dirichlet([4, 4, 2], 8)
     scores = {f"smol_ppl_{k}": v for k, v in planted(w).items()}
-    ev = Evidence([proxy_name(i) for i in range(8)], ["prose", "code", "math"], w, scores, dict.fromkeys(scores, "bits_per_byte"), [])
+    domains = {"prose": "a" * 24, "code": "b" * 24, "math": "c" * 24}
+    names, metric = [proxy_name(i) for i in range(8)], dict.fromkeys(scores, "bits_per_byte")
+    ev = Evidence(names, ["prose", "code", "math"], w, scores, metric, [], domains)
     weights = dict.fromkeys(scores, 1.0)
     fits = [fit(f, w, scores, weights) for f in ("log-linear", "lightgbm")]
     proposal = {"mixture": {"prose": 0.3, "code": 0.3, "math": 0.4}, "predicted": 1.0, "candidates": 10, "family": "log-linear"}
@@ -123,6 +126,11 @@ def test_the_report_writes_olmix_ratios_and_metrics(tmp_path):
     assert data["chosen"] == "log-linear" and len(data["proxies"]) == 8 and data["trusted"] is True
     text = path.read_text()
     assert "## Proposed mixture" in text and "(chosen)" in text and (out / "fit.png").is_file()
+    assert data["domains"] == domains and "Changed since" not in text
+    # the code tokens change: the next report says its evidence was measured on other data
+    ev = replace(ev, domains=domains | {"code": "d" * 24})
+    text = publish(tmp_path / "mix", "mix", ["# Swarm mix"], ev, weights, fits, proposal, np.array([0.45, 0.45, 0.1])).read_text()
+    assert "**Changed since the last report:** the tokens of code" in text
 
 
 @pytest.mark.slow
@@ -137,7 +145,10 @@ def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds
     builds = [json.loads(line)["folder"].rsplit("-", 1)[0] for line in (root / "steps" / "builds.jsonl").read_text().splitlines()]
     assert builds.count("tokenize") == 1 and builds.count("filter") == 1, "curation is built once for every proxy"
     # the prior's proxy shares the curation run's mixtures step; every other proxy draws its own
-    assert builds.count("mixtures") == 4 and builds.count("pretrain_phase1") == 4 and builds.count("pretrain_long_context") == 4
+    # 4 proxies, then the 3 mixtures x 2 seeds at 4x (a mixtures step per mixture, which its seeds share)
+    mixed = {v: json.loads((root / "validate" / f"{v}-seed0" / "mixtures" / "mixtures.json").read_text()) for v in VALIDATED}
+    distinct = len({json.dumps(m, sort_keys=True) for m in mixed.values()})
+    assert builds.count("mixtures") == 4 + distinct and builds.count("pretrain_phase1") == 4 + 2 * distinct
     with open(root / "report" / "ratios.csv") as f:
         ratios = list(csv.DictReader(f))
     assert [r["run_id"] for r in ratios] == [proxy_name(i) for i in range(4)]
@@ -153,7 +164,22 @@ def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds
     data = json.loads((root / "report" / "swarm.json").read_text())
     proposal = data["proposal"]["mixture"]
     assert sum(proposal.values()) == pytest.approx(1, abs=1e-6) and 0.05 <= proposal["math"] <= 0.5
-    assert "## Proposed mixture" in report.read_text() and (root / "report" / "fit.png").is_file()
+    text = report.read_text()
+    assert "## Proposed mixture" in text and (root / "report" / "fit.png").is_file()
+
+    # the validation: the proposal, the prior and the natural mixture at 4x the proxies' tokens, 2 seeds each
+    validation = {d.name for d in (root / "validate").iterdir() if (d / "recipe.json").is_file()}
+    assert validation == {f"{v}-seed{k}" for v in VALIDATED for k in (0, 1)}
+    phase1 = lambda run: mixed[run.removesuffix("-seed0").removesuffix("-seed1")]["phases"][0]  # noqa: E731
+    assert phase1("prior-seed0")["tokens"] == 4 * 8000
+    assert {s: r["weight"] for s, r in phase1("proposed-seed1")["sources"].items()} == pytest.approx(proposal, abs=1e-6)
+    tokens = {s: r["available"] for s, r in phase1("natural-seed0")["sources"].items()}
+    natural = {s: r["weight"] for s, r in phase1("natural-seed0")["sources"].items()}
+    assert natural == pytest.approx({s: n / sum(tokens.values()) for s, n in tokens.items()}, abs=1e-3)
+    assert builds.count("tokenize") == 1, "the validation reads the proxies' curation from their store"
+    assert "## Validation at 4x the proxies' tokens, 2 seeds" in text and "pairs of these mixtures as the larger runs do" in text
+    compared = json.loads((root / "validate" / "report" / "ablation.json").read_text())["rows"]
+    assert {e["task"] for e in compared if e["variant"] == "proposed" and "verdict" in e} == {"smol_ppl_code", "smol_ppl_prose"}
 
     swarm_flow(str(path), str(root))  # the same draws, the same step identities: nothing is built again
     assert len((root / "steps" / "builds.jsonl").read_text().splitlines()) == len(builds)

@@ -15,6 +15,7 @@ pass the bounds and the repetition cap.
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,6 +130,7 @@ class Evidence:
     scores: dict[str, np.ndarray]  # task -> (proxies,)
     metric: dict[str, str]  # task -> the main metric's name
     missing: list[str]  # proxies without every target score
+    domains: dict[str, str]  # source -> digest of the tokens the proxies trained on
 
 
 def write_olmix_csv(folder: Path, swarm_name: str, ev: Evidence, target: np.ndarray) -> None:
@@ -147,7 +149,15 @@ def write_olmix_csv(folder: Path, swarm_name: str, ev: Evidence, target: np.ndar
 
 
 def publish(
-    root: Path, name: str, header: list[str], ev: Evidence, weights: dict[str, float], fits: list[Fit], proposal: dict, prior: np.ndarray
+    root: Path,
+    name: str,
+    header: list[str],
+    ev: Evidence,
+    weights: dict[str, float],
+    fits: list[Fit],
+    proposal: dict,
+    prior: np.ndarray,
+    validation: list[str] = (),
 ) -> Path:
     """ROOT/report/swarm.md (+ predicted-vs-measured plot, swarm.json, ratios.csv, metrics.csv), also as a Prefect artifact."""
     import matplotlib
@@ -162,7 +172,8 @@ def publish(
     write_olmix_csv(out, name, ev, target)
     chosen = choose(fits)
     tasks = list(weights)
-    lines = [*header, "", "## Proxies", ""]
+    lines = [*header, f"Measured on the tokens {', '.join(f'{s} {fp[:12]}' for s, fp in ev.domains.items())}.", *_changed(out, ev), ""]
+    lines += ["## Proxies", ""]
     lines += ["| proxy | " + " | ".join(ev.sources) + " | " + " | ".join(t.removeprefix("smol_") for t in tasks) + " | target |"]
     lines += ["|---" * (2 + len(ev.sources) + len(tasks)) + "|"]
     for i in np.argsort(target):
@@ -211,9 +222,11 @@ def publish(
         f"Predicted target {proposal['predicted']:.4f} by {chosen.family} (best of {proposal['candidates']:,} admissible candidates); "
         f"measured: best proxy {ev.names[best]} {target[best]:.4f}"
         + (f", the prior {target[0]:.4f}." if ev.names[0] == proxy_name(0) else "."),
-        "A prediction is not a measurement: train the proposal beside the prior at a larger scale (an ablation) before adopting it.",
+        "A prediction is not a measurement: the validation below trains the proposal beside the prior at a larger scale."
+        if validation
+        else "A prediction is not a measurement: train the proposal beside the prior at a larger scale before adopting it.",
     ]
-    markdown = "\n".join(lines) + "\n"
+    markdown = "\n".join([*lines, *([""] if validation else []), *validation]) + "\n"
     path = out / "swarm.md"
     path.write_text(markdown)
     write_json_atomic(
@@ -228,6 +241,7 @@ def publish(
                 {"family": f.family, "spearman": _number(f.spearman), "per_task": {t: _number(r) for t, r in f.per_task.items()}}
                 for f in fits
             ],
+            "domains": ev.domains,
             "chosen": chosen.family,
             "trusted": trusted,
             "proposal": proposal,
@@ -241,3 +255,16 @@ def publish(
 def _number(r: float) -> float | None:
     """JSON has no NaN: an undefined rank agreement is null."""
     return None if math.isnan(r) else r
+
+
+def _changed(out: Path, ev: Evidence) -> list[str]:
+    """What changed in the data since the last report: its evidence (and every fit on it) was measured on other tokens."""
+    last = out / "swarm.json"
+    before = json.loads(last.read_text()).get("domains", {}) if last.is_file() else {}
+    changed = [s for s in ev.domains if s in before and before[s] != ev.domains[s]]
+    if not changed:
+        return []
+    return [
+        f"**Changed since the last report:** the tokens of {', '.join(changed)} (curation made other data); the proxies above "
+        "were trained on the new tokens, and every earlier coefficient for these sources is stale."
+    ]
