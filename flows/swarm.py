@@ -249,12 +249,17 @@ def validated(swarm: Swarm, proposal: Proposal, check: Ablation) -> list[str]:
     if comparison.is_file():
         label = build_graph(check.runs[0].recipe).phases[-1].model
         rows = json.loads(comparison.read_text())["rows"]
-        verdicts = [f"{e['task']}: {e['verdict']}" for e in rows if e["model"] == label and e["variant"] == "proposed" and "verdict" in e]
+        verdicts = [
+            f"{e['task']} {e['diff']:+.4f}" + (f" [{e['ci95'][0]:+.4f}, {e['ci95'][1]:+.4f}]" if "ci95" in e else "") + f" ({e['verdict']})"
+            for e in rows
+            if e["model"] == label and e["variant"] == "proposed" and e["task"] in swarm.cfg.targets and "verdict" in e
+        ]
     lines += [
         "",
-        f"Lowest measured target: **{winner}**"
-        + (" (the proposal won)." if winner == "proposed" else " (the proposal did not win)." if "proposed" in names else "."),
-        f"Proposed vs prior, per target task (paired over the same documents, `{VALIDATE}/report/ablation.md`): "
+        f"Lowest measured target, mean over seeds: **{winner}**"
+        + (" (the proposal)" if winner == "proposed" else " (not the proposal)" if "proposed" in names else "")
+        + "; whether a difference is beyond the seeds' noise, the paired verdicts say.",
+        f"Proposed minus prior, per target task, 95% interval (paired over the same documents; `{VALIDATE}/report/ablation.md`): "
         + ("; ".join(verdicts) or "not compared yet")
         + ".",
         f"The proxies' fit orders {agree} of {len(pairs)} pairs of these mixtures as the larger runs do"
