@@ -186,7 +186,7 @@ def analyse(swarm: Swarm, draws: Draws, abl: Ablation, available: dict[str, int]
     low, high = bounds_of(swarm.cfg, swarm.sources)
     cap = repetition_cap(swarm, available)
     best, predicted, candidates = propose(chosen.predict, swarm.prior, swarm.cfg.concentration, low, high, cap, swarm.cfg.seed)
-    return Proposal(ev, fits, chosen, best, predicted, candidates)
+    return Proposal(ev, fits, chosen, rounded(best), predicted, candidates)  # weights a recipe accepts as written
 
 
 def validation(swarm: Swarm, available: dict[str, int], proposal: Proposal) -> tuple[Ablation, dict[str, str]]:

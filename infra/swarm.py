@@ -125,7 +125,7 @@ def load_swarm(path: str | Path, run_dir: str | None = None, overrides: list[str
     prior = np.array([(cfg.prior or mixture).get(s, 0.0) for s in sources], dtype=float)
     if (prior <= 0).any():
         raise RecipeError(f"{path}: prior: every source of the phase needs a weight > 0 (a Dirichlet parameter)")
-    prior /= prior.sum()
+    prior = rounded(prior / prior.sum())  # written into p000's recipe: weights it accepts
     low, high = bounds_of(cfg, sources)
     if low.sum() > 1 or high.sum() < 1:
         raise RecipeError(f"{path}: bounds: no mixture fits them (lows sum to {low.sum():g}, highs to {high.sum():g})")

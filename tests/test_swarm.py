@@ -163,7 +163,8 @@ def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds
     assert len(set(targets)) == 4 and all(0 < t < 20 for t in targets), "each proxy's bits per byte, measured on its own model"
     data = json.loads((root / "report" / "swarm.json").read_text())
     proposal = data["proposal"]["mixture"]
-    assert sum(proposal.values()) == pytest.approx(1, abs=1e-6) and 0.05 <= proposal["math"] <= 0.5
+    assert sum(proposal.values()) == pytest.approx(1, abs=1e-9) and 0.05 <= proposal["math"] <= 0.5
+    assert all(round(w, 4) == w for w in proposal.values()), "rounded: a recipe takes weights that sum to 1 within 1e-6"
     text = report.read_text()
     assert "## Proposed mixture" in text and (root / "report" / "fit.png").is_file()
 
