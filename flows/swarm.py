@@ -28,7 +28,7 @@ from infra.swarm import Draws, Swarm, bounds_of, draw_mixtures, load_swarm, prox
 from tasks.curation.mixtures import MixtureError, resolve_mixtures
 from tasks.evaluation.compare import AblationRunDir, model_results
 from tasks.evaluation.results import fingerprint_listing, main_metric
-from tasks.evaluation.swarm import FAMILIES, Evidence, Fit, choose, fit, propose, publish
+from tasks.evaluation.swarm import FAMILIES, Evidence, Fit, choose, fit, propose, publish, weighted
 from tasks.pretrain import mixture_phases
 
 CURATION = "curation"
@@ -115,14 +115,15 @@ def swarm_flow(swarm: str, run_dir: str | None = None, overrides: Overrides = No
     for line in explain(sw, draws, known_tokens=True):
         log.info(line)
     run_all(abl)
-    path = report(sw, draws, abl, available)  # the proposal, readable while its validation trains
+    proposal = analyse(sw, draws, abl, available)  # the proxies' evidence is fitted once
+    path = report(sw, draws, abl, available, proposal)  # readable while the validation trains
     if sw.cfg.validation:
-        check, refused = validation(sw, available, analyse(sw, draws, abl, available))
+        check, refused = validation(sw, available, proposal)
         for name, why in refused.items():
             log.warning("swarm %s: the %s mixture is not validated: %s", sw.cfg.name, name, why)
         run_all(check)
         flows.ablation.report(check)
-        path = report(sw, draws, abl, available)
+        path = report(sw, draws, abl, available, proposal)
     return str(path)
 
 
@@ -131,11 +132,6 @@ def target_scores(swarm: Swarm, root: Path, run: AblationRun) -> dict[str, tuple
     graph = build_graph(run.recipe)
     tasks = model_results(AblationRunDir(run.name, run.variant, root / run.name, graph.steps), graph.phases[-1].model)
     return {t: main for t in swarm.cfg.targets if t in tasks and (main := main_metric(tasks[t]))}
-
-
-def target_of(swarm: Swarm, scores: dict[str, tuple[str, float]]) -> float:
-    weights = swarm.cfg.targets
-    return sum(weights[t] * scores[t][1] for t in weights) / sum(weights.values())
 
 
 def evidence(swarm: Swarm, draws: Draws, abl: Ablation) -> Evidence:
@@ -224,7 +220,7 @@ def validated(swarm: Swarm, proposal: Proposal, check: Ablation) -> list[str]:
         scores = target_scores(swarm, check.root, run)
         mixture[run.variant] = np.array([run.recipe.pretrain.phases[swarm.cfg.phase].mixture[s] for s in swarm.sources])
         if len(scores) == len(swarm.cfg.targets):
-            measured.setdefault(run.variant, []).append(target_of(swarm, scores))
+            measured.setdefault(run.variant, []).append(weighted(swarm.cfg.targets, {t: v for t, (_, v) in scores.items()}))
     if not measured:
         return ["## Validation", "", f"_no validation run is scored yet ({check.root})_"]
     names = [n for n in mixture if n in measured]
@@ -268,9 +264,10 @@ def validated(swarm: Swarm, proposal: Proposal, check: Ablation) -> list[str]:
     return lines
 
 
-def report(swarm: Swarm, draws: Draws, abl: Ablation, available: dict[str, int]) -> Path:
-    """The swarm's report as its runs hold it now: proxies, fits, proposal and, once trained, its validation."""
-    p = analyse(swarm, draws, abl, available)
+def report(swarm: Swarm, draws: Draws, abl: Ablation, available: dict[str, int], p: Proposal | None = None) -> Path:
+    """The swarm's report as its runs hold it now: proxies, fits, proposal (P, else fitted here) and, once trained,
+    its validation."""
+    p = p or analyse(swarm, draws, abl, available)
     header = [
         f"# Swarm {swarm.cfg.name}: the mixture of phase {swarm.recipe.pretrain.phases[swarm.cfg.phase].name}",
         "",

@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from scipy.stats import spearmanr
@@ -71,23 +72,28 @@ def rank_agreement(predicted: np.ndarray, measured: np.ndarray) -> float:
     return float(spearmanr(predicted, measured).statistic)
 
 
+def weighted(weights: dict[str, float], values: dict[str, Any]) -> Any:
+    """The target: the tasks' values (numbers or arrays) averaged with the swarm's weights."""
+    return sum(weights[t] * values[t] for t in weights) / sum(weights.values())
+
+
 def fit(family: str, w: np.ndarray, scores: dict[str, np.ndarray], weights: dict[str, float]) -> Fit:
     """Per-task models of FAMILY; the target's out-of-fold predictions and the full-data predictor."""
-    fitter, total = FAMILIES[family], sum(weights.values())
-    target = sum(weights[t] * scores[t] for t in weights) / total
+    fitter = FAMILIES[family]
+    target = weighted(weights, scores)
     oof = {t: np.empty(len(w)) for t in weights}
     for held in folds_of(len(w)):
         train = np.setdiff1d(np.arange(len(w)), held)
         for task in weights:
             oof[task][held] = fitter(w[train], scores[task][train])(w[held])
-    combined = sum(weights[t] * oof[t] for t in weights) / total
+    combined = weighted(weights, oof)
     models = {t: fitter(w, scores[t]) for t in weights}
     return Fit(
         family,
         combined,
         rank_agreement(combined, target),
         {t: rank_agreement(oof[t], scores[t]) for t in weights},
-        lambda x: sum(weights[t] * models[t](x) for t in weights) / total,
+        lambda x: weighted(weights, {t: m(x) for t, m in models.items()}),
     )
 
 
@@ -168,7 +174,7 @@ def publish(
     out = root / "report"
     out.mkdir(parents=True, exist_ok=True)
     total = sum(weights.values())
-    target = sum(weights[t] * ev.scores[t] for t in weights) / total
+    target = weighted(weights, ev.scores)
     write_olmix_csv(out, name, ev, target)
     chosen = choose(fits)
     tasks = list(weights)
