@@ -41,7 +41,7 @@ ABLATION ?= configs/ablations/apo_vs_dpo.yaml
 ablate: $(STAMP)
 	$(BIN)/smolflow ablate $(ABLATION)
 
-# the phase-1 mixture of the tiny recipe from 12 proxy runs, fitted and proposed (configs/swarms/)
+# the phase-1 mixture of the tiny recipe from 32 proxy runs, fitted, proposed and validated (configs/swarms/)
 SWARM ?= configs/swarms/mix_phase1.yaml
 swarm: $(STAMP)
 	$(BIN)/smolflow swarm $(SWARM)

@@ -28,8 +28,7 @@ from infra.recipe import Recipe
 from infra.steps import STEPS, Step, plan_ids, statuses
 from infra.storage import Mirror, write_json_atomic
 from tasks.evaluation.compare import AblationRunDir, publish_comparison
-
-RESULTS = Path("evals") / "results"
+from tasks.evaluation.results import RESULTS
 
 
 def open_ablation(path: str, run_dir: str | None = None) -> Ablation:
@@ -187,19 +186,28 @@ def ablation_flow(ablation: str, run_dir: str | None = None) -> str:
     return str(report(abl))
 
 
-def run_all(abl: Ablation) -> None:
+def run_all(abl: Ablation, keep_going: bool = False) -> dict[str, str]:
     """Every run of ABL through the full pipeline (up to its `until`, then evaluation), `concurrency` at a
-    time, after linking their run dirs to the shared stores; each invocation's wall time is recorded."""
+    time, after linking their run dirs to the shared stores; each invocation's wall time is recorded.
+    A run that fails (its tasks' retries spent) fails the call once the others ended; with KEEP_GOING (a
+    swarm, where one proxy less still fits) it is logged and returned instead: run name -> error."""
     log = get_run_logger()
     prepare(abl)
     for line in explain(abl):
         log.info(line)
     until = abl.cfg.until
     started = time.time()
+    failed: dict[str, str] = {}
 
-    def one(run) -> dict[str, str]:
+    def one(run) -> None:
         named = full_pipeline.with_options(flow_run_name=f"{abl.cfg.name}/{run.name}")
-        return named(str(abl.base), str(abl.root / run.name), list(run.overrides), until)
+        try:
+            named(str(abl.base), str(abl.root / run.name), list(run.overrides), until)
+        except Exception as err:  # a cancel or an interrupt is no run's failure: it ends the call
+            if not keep_going:
+                raise
+            failed[run.name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            log.error("ablation %s: run %s failed, the others go on: %s", abl.cfg.name, run.name, failed[run.name])
 
     if abl.cfg.concurrency == 1:
         for run in abl.runs:
@@ -211,7 +219,8 @@ def run_all(abl: Ablation) -> None:
                 future.result()
     seconds = round(time.time() - started, 1)
     _record_wall_time(abl, seconds)
-    log.info("ablation %s: %d runs in %.0f s", abl.cfg.name, len(abl.runs), seconds)
+    log.info("ablation %s: %d runs in %.0f s%s", abl.cfg.name, len(abl.runs), seconds, f", {len(failed)} failed" if failed else "")
+    return failed
 
 
 def _record_wall_time(abl: Ablation, seconds: float) -> None:

@@ -114,16 +114,18 @@ def swarm_flow(swarm: str, run_dir: str | None = None, overrides: Overrides = No
     sw, draws, abl = open_swarm(swarm, run_dir, available, overrides)
     for line in explain(sw, draws, known_tokens=True):
         log.info(line)
-    run_all(abl)
+    failed = run_all(abl, keep_going=True)  # a failed proxy is one point less for the fit, not a failed swarm
     proposal = analyse(sw, draws, abl, available)  # the proxies' evidence is fitted once
-    path = report(sw, draws, abl, available, proposal)  # readable while the validation trains
+    path = report(sw, draws, abl, available, proposal, failed)  # readable while the validation trains
     if sw.cfg.validation:
         check, refused = validation(sw, available, proposal)
         for name, why in refused.items():
             log.warning("swarm %s: the %s mixture is not validated: %s", sw.cfg.name, name, why)
-        run_all(check)
+        failed |= {f"{VALIDATE}/{run}": why for run, why in run_all(check, keep_going=True).items()}
         flows.ablation.report(check)
-        path = report(sw, draws, abl, available, proposal)
+        path = report(sw, draws, abl, available, proposal, failed)
+    if failed:
+        log.warning("swarm %s: %d run(s) failed (%s); a rerun retries them, reusing the rest", sw.cfg.name, len(failed), ", ".join(failed))
     return str(path)
 
 
@@ -196,11 +198,13 @@ def validation(swarm: Swarm, available: dict[str, int], proposal: Proposal) -> t
     refused = {name: why for name, w in mixtures.items() if (why := cap(w))}
     scale = [f"pretrain.phases.{i}.tokens={ph.tokens * v.scale}" for i, ph in enumerate(swarm.recipe.pretrain.phases)]
     store = f"storage.store={store_of(swarm.recipe, swarm.root).resolve()}"
+    # the targets are judged as the swarm chose them: the early-signal checks need checkpoints a proxy-sized run lacks
+    judged = "evaluation.select=all"
     cfg = AblationCfg(
         name=f"{swarm.cfg.name}-validate",
         base=swarm.cfg.base,
         description=f"the swarm's proposal beside the prior and the natural mixture at {v.scale}x the proxies' tokens",
-        set=[*swarm.cfg.set, *scale, store],
+        set=[*swarm.cfg.set, *scale, store, judged],
         variants=[VariantCfg(name=n, set=[swarm.mixture_override(w)]) for n, w in mixtures.items() if n not in refused],
         baseline="prior" if "prior" not in refused else None,
         seeds=v.seeds,
@@ -264,9 +268,11 @@ def validated(swarm: Swarm, proposal: Proposal, check: Ablation) -> list[str]:
     return lines
 
 
-def report(swarm: Swarm, draws: Draws, abl: Ablation, available: dict[str, int], p: Proposal | None = None) -> Path:
+def report(
+    swarm: Swarm, draws: Draws, abl: Ablation, available: dict[str, int], p: Proposal | None = None, failed: dict[str, str] | None = None
+) -> Path:
     """The swarm's report as its runs hold it now: proxies, fits, proposal (P, else fitted here) and, once trained,
-    its validation."""
+    its validation; FAILED: the runs that failed in this invocation, with their errors."""
     p = p or analyse(swarm, draws, abl, available)
     header = [
         f"# Swarm {swarm.cfg.name}: the mixture of phase {swarm.recipe.pretrain.phases[swarm.cfg.phase].name}",
@@ -278,6 +284,8 @@ def report(swarm: Swarm, draws: Draws, abl: Ablation, available: dict[str, int],
         f"redrawn: {', '.join(f'{n} {why}' for why, n in draws.redrawn.items()) or 'none'}.",
         f"Tokens per source after curation: {', '.join(f'{s} {n:,}' for s, n in available.items())}.",
     ]
+    if failed:
+        header.append(f"**Failed** ({len(failed)}; a rerun retries them): " + "; ".join(f"{r}: {why}" for r, why in failed.items()) + ".")
     proposal = {"mixture": swarm.as_dict(p.mixture), "predicted": p.predicted, "candidates": p.candidates, "family": p.chosen.family}
     extra = []
     if swarm.cfg.validation and (swarm.root / VALIDATE).is_dir():

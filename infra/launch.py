@@ -141,6 +141,19 @@ def stop_tree(pid: int, command: list[str], grace_s: float, on_line: Callable[[s
     kill_tree(pid)
 
 
+def stream_lines(log: Path, offset: int, on_line: Callable[[str], None]) -> int:
+    """Pass the complete lines a job appended to LOG since byte OFFSET (its file, followed); returns the new offset."""
+    if not log.exists():
+        return offset
+    with open(log, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    for line in data[:end].decode(errors="replace").splitlines():
+        on_line(line)
+    return offset + end
+
+
 def _drain(stream, on_line: Callable[[str], None]) -> None:
     try:
         for line in stream:

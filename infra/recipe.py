@@ -23,6 +23,9 @@ class RecipeError(SmolflowError, ValueError):
     """A recipe that cannot be used as written; the message names the file and the key."""
 
 
+RAY_ADDRESS = r"^[A-Za-z0-9_.:/\[\]-]+$"  # host:port or ray://...: nothing a shell or URL could read otherwise
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -87,7 +90,7 @@ class ExecutorCfg(Strict):
     slurm: SlurmCfg = operational(SlurmCfg())
     timeout_hours: float = operational(48, gt=0, description="a cluster pipeline still incomplete after this long fails its task")
     ray_address: str | None = operational(
-        None, pattern=r"^[A-Za-z0-9_.:/\[\]-]+$", description="the Ray cluster (host:port, ray://...); default: the one started here"
+        None, pattern=RAY_ADDRESS, description="the Ray cluster (host:port, ray://...); default: the one started here"
     )
 
 
@@ -369,17 +372,21 @@ class SlurmJobCfg(Strict):
 
 class LauncherCfg(Strict):
     """How trainer processes start: one process, torchrun, the deepspeed launcher (multi-node: hostfile),
-    or a Slurm batch job (`slurm`).
+    a Slurm batch job (`slurm`) or a Ray task (`ray`: one process, torchrun above one rank, on a worker with
+    `nproc x threads_per_rank` CPUs reserved).
 
     Operational: the global batch is fixed by `batch_size`, and a phase resumes its checkpoints on
     another rank count (through DeepSpeed's universal format when ZeRO shards must be re-split).
     """
 
-    kind: Literal["python", "torchrun", "deepspeed", "slurm"] = operational("python")
+    kind: Literal["python", "torchrun", "deepspeed", "slurm", "ray"] = operational("python")
     nproc: int = operational(1, gt=0, description="ranks per node")
     threads_per_rank: int = operational(2, gt=0)
     hostfile: str | None = operational(None)
     slurm: SlurmJobCfg = operational(SlurmJobCfg())
+    ray_address: str | None = operational(
+        None, pattern=RAY_ADDRESS, description="`kind: ray`: the cluster whose task runs the trainer; default: the one started here"
+    )
     stop_grace_s: float = operational(120, ge=0, description=STOP_GRACE)
 
 
@@ -421,6 +428,22 @@ class PretrainCfg(Strict):
     log_every: int = operational(10, gt=0)
     yarn_factor: float | None = Field(None, gt=1, description="YaRN factor written into the final config")
     tracking: Literal["trackio", "none"] = operational("trackio")
+    until_phase: str | None = Field(
+        None,
+        description="train the phases up to and including this one and leave out the later ones (a proxy run: its "
+        "learning-rate schedule then warms up and decays within them)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _until(cls, data: Any) -> Any:
+        """The phases after `until_phase` are dropped here, once, so every step, schedule and report sees only those trained."""
+        if not isinstance(data, dict) or data.get("until_phase") is None or not isinstance(data.get("phases"), list):
+            return data
+        names = [ph.get("name") if isinstance(ph, dict) else getattr(ph, "name", None) for ph in data["phases"]]
+        if data["until_phase"] not in names:
+            raise ValueError(f"until_phase: {data['until_phase']!r} is not a phase ({', '.join(map(str, names))})")
+        return {**data, "phases": data["phases"][: names.index(data["until_phase"]) + 1]}
 
     @model_validator(mode="after")
     def _unique(self) -> PretrainCfg:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.errors import SmolflowError
+from infra.launch import stream_lines
 from infra.procs import PREEMPTED, PREEMPTED_MARK
 from infra.recipe import LauncherCfg
 
@@ -173,7 +174,7 @@ def follow(job: str, log: Path, on_line: Callable[[str], None], pending_s: float
                 on_line(f"slurm: {err}; asking again in {pause:.0f} s (the job is left alone)")
                 time.sleep(pause)
                 continue
-            offset = _stream(log, offset, on_line)
+            offset = stream_lines(log, offset, on_line)
             if current.restarts != restarts:
                 on_line(f"slurm: job {job} requeued (restart {current.restarts})")
                 restarts = current.restarts
@@ -181,7 +182,7 @@ def follow(job: str, log: Path, on_line: Callable[[str], None], pending_s: float
                 on_line(f"slurm: job {job} {current.name}{f' ({current.reason})' if current.reason not in ('', 'None') else ''}")
                 last = current.name
             if current.name in ENDED | {"GONE"}:
-                _stream(log, offset, on_line)
+                stream_lines(log, offset, on_line)
                 return current
             if current.name != "PENDING":
                 waiting_since = time.monotonic()
@@ -194,16 +195,3 @@ def follow(job: str, log: Path, on_line: Callable[[str], None], pending_s: float
     except BaseException:
         cancel(job)
         raise
-
-
-def _stream(log: Path, offset: int, on_line: Callable[[str], None]) -> int:
-    """Pass complete lines written since `offset`; returns the new offset."""
-    if not log.exists():
-        return offset
-    with open(log, "rb") as f:
-        f.seek(offset)
-        data = f.read()
-    end = data.rfind(b"\n") + 1
-    for line in data[:end].decode(errors="replace").splitlines():
-        on_line(line)
-    return offset + end

@@ -12,6 +12,7 @@ A swarm file is small YAML:
     prior: null                 # default: the base recipe's mixture of that phase
     bounds: {math: [0.05, 0.6]} # per source, [low, high]
     targets: {smol_ppl_prose: 1, smol_ppl_code: 1, smol_ppl_math: 1}   # task -> weight of its main metric
+    later_phases: false         # a proxy ends at the searched phase (pretrain.until_phase); true: it trains them all
     concurrency: 2
 
 The mixtures are drawn here, from a seeded generator, so a rerun draws the same proxies and every
@@ -54,6 +55,11 @@ class SwarmCfg(Strict):
     prior: dict[str, float] | None = Field(None, description="default: the base recipe's mixture of the phase")
     bounds: dict[str, tuple[float, float]] = Field({}, description="per source: [low, high] of its weight")
     targets: dict[str, float] = Field(min_length=1, description="task -> weight of its main metric in the target (lower is better)")
+    later_phases: bool = Field(
+        False,
+        description="train the phases after the searched one too and score the final model; by default a proxy ends at "
+        "the searched phase (`pretrain.until_phase`): cheaper, and its learning rate decays on the mixture searched",
+    )
     validation: ValidationCfg | None = Field(ValidationCfg(), description="null: propose without training the proposal at a larger scale")
     concurrency: int = operational(1, ge=1, description="proxies trained at once (they share the machine's cores)")
     run_dir: str | None = Field(None, description="default: runs/swarms/NAME")
@@ -113,6 +119,10 @@ def load_swarm(path: str | Path, run_dir: str | None = None, overrides: list[str
     phases = recipe.pretrain.phases
     if cfg.phase >= len(phases):
         raise RecipeError(f"{path}: phase: {cfg.phase} is not a phase index of {base.name} (it has {len(phases)})")
+    if not cfg.later_phases:  # every proxy, the curation run and the validation share this recipe
+        cfg = cfg.model_copy(update={"set": [*cfg.set, f"pretrain.until_phase={phases[cfg.phase].name}"]})
+        base, recipe = shared_recipe(path, cfg.base, cfg.set)
+        phases = recipe.pretrain.phases
     mixture = phases[cfg.phase].mixture
     sources = list(mixture)
     for key, named in (("prior", cfg.prior or {}), ("bounds", cfg.bounds)):

@@ -204,7 +204,7 @@ def publish_card(run_dir: Path, name: str, steps: Iterable[str]) -> tuple[Path, 
     """Finished step NAME's model folder, its files checked against its manifest, and its card with the lm-eval
     results recorded since (for `smolflow publish`). STEPS: the run's graph; NAME must be one of them, and its
     folder the version the run's store holds (no `..`, no other run's step, no link out of it)."""
-    from tasks.evaluation.results import ResultStore, local_fingerprint
+    from tasks.evaluation.results import local_fingerprint, run_results
 
     if name not in (steps := list(steps)):
         raise SmolflowError(f"{name!r} is not a step of the run at {run_dir}; its steps: {', '.join(steps)}")
@@ -218,7 +218,7 @@ def publish_card(run_dir: Path, name: str, steps: Iterable[str]) -> tuple[Path, 
         raise SmolflowError(f"{step} leads to {step.resolve()}, not to its version in the run's store ({home})")
     folder = home / FINAL
     files = verified_files(folder, manifest.get("files", {}), f"{FINAL}/")
-    record = ResultStore(str(run_dir / "evals" / "results")).get(local_fingerprint(folder)) or {}
+    record = run_results(run_dir).get(local_fingerprint(folder)) or {}
     folders = [version(run_dir, n, sid) for n, sid in manifest.get("lineage", [])]
     lineage = [typed(m, folder) for folder in folders if (m := read_manifest(folder))]
     return folder, files, render(folder, name, manifest["step_id"], run_dir, [*lineage, typed(manifest, step)], record.get("tasks", {}))

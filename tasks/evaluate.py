@@ -21,7 +21,7 @@ from tasks.curation.pipelines import HELDOUT
 from tasks.evaluation.harness import EvalFailed, prepare_tasks
 from tasks.evaluation.plots import artifact
 from tasks.evaluation.report import build_report
-from tasks.evaluation.results import ResultStore, models_in_prefix, models_in_run
+from tasks.evaluation.results import RESULTS, ResultStore, models_in_prefix, models_in_run, run_results
 from tasks.evaluation.runner import EvalSummary, Evaluator
 
 
@@ -43,7 +43,7 @@ def evaluator(
     """`alone`: nothing else of the run is running (a stage's own evals; `Evaluator`)."""
     cfg = recipe.evaluation
     include = prepare_tasks(cfg.task_dirs, heldout, run_dir / "evals" / "tasks")
-    store = store or ResultStore(str(run_dir / "evals" / "results"))
+    store = store or run_results(run_dir)
     return Evaluator(cfg, store, include, run_dir / "evals" / "work", run_logger(), mirror, recipe.storage.s3, alone)
 
 
@@ -97,7 +97,7 @@ def evaluate_source(source: str, recipe: Recipe, models: Models, work_dir: Path)
         ev = evaluator(recipe, run_dir, Path(models.heldout_dir(run_dir)), None)
         return _finish(ev.run(models_in_run(run_dir, models.steps)), f"eval {source}")
     s3 = recipe.storage.s3
-    store = ResultStore(f"{source.rstrip('/')}/evals/results", s3, lock_dir=work_dir / "evals" / "locks")
+    store = ResultStore(f"{source.rstrip('/')}/{RESULTS.as_posix()}", s3, lock_dir=work_dir / "evals" / "locks")
     heldout = download_folder(models.heldout_dir(source), Path(models.heldout_dir(work_dir)), s3)
     found, skipped = models_in_prefix(source, s3, models.steps)
     if skipped:

@@ -17,7 +17,7 @@ from typing import TypedDict
 
 from prefect.artifacts import create_table_artifact
 
-from infra import slurm
+from infra import rayjobs, slurm
 from infra.env import thread_count
 from infra.errors import SmolflowError, TrainerFailed
 from infra.launch import free_port, launch_command, launch_env, run_streaming
@@ -81,7 +81,7 @@ def train_configs(recipe: Recipe) -> list[TrainConfig]:
                 zero_stage=p.zero_stage,
                 spike=p.spike,
                 rope_theta=phase.rope_theta,
-                yarn_factor=p.yarn_factor if i == len(p.phases) - 1 else None,
+                yarn_factor=p.yarn_factor if i == len(p.phases) - 1 and phase.long_context else None,
                 micro_batch_size=p.phase_micro_batch(phase),
                 checkpoint=p.checkpoint,
                 threads=p.launcher.threads_per_rank,
@@ -165,8 +165,8 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
         init_remote = f"{previous.folder}/{CHECKPOINTS}"
     import torch
 
-    # a Slurm job probes on its own node, a GPU trainer its own device in the phase's precision
-    if t.peak_flops is None and cfg.launcher.kind != "slurm" and not torch.cuda.is_available():
+    # a Slurm job or Ray task probes on its own node, a GPU trainer its own device in the phase's precision
+    if t.peak_flops is None and cfg.launcher.kind not in ("slurm", "ray") and not torch.cuda.is_available():
         t = t.model_copy(update={"peak_flops": run_peak_flops(run_dir, thread_count(cfg.launcher.threads_per_rank), t.phase)})
     job = TrainJob(
         config=t,
@@ -183,13 +183,20 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
     )
     job_path = out / "job.json"
     job_path.write_text(job.model_dump_json(indent=2))
-    env = launch_env(cfg.launcher, trainer_env(cfg.storage, run_dir))
+    launcher = cfg.launcher
+    if launcher.kind == "ray":  # on the worker: one process, or torchrun's ranks
+        launcher = launcher.model_copy(update={"kind": "python" if launcher.nproc == 1 else "torchrun"})
+    env = launch_env(launcher, trainer_env(cfg.storage, run_dir))
     if cfg.launcher.kind == "slurm":
         code = run_slurm_job(cfg.launcher, out, job_path, env, t.phase)
     else:
-        command = launch_command(cfg.launcher, "model.train", [str(job_path)], port=free_port())
-        log.info("pretrain %s: %s", t.phase, " ".join(command))
-        code = run_streaming(command, env, log.info, grace_s=cfg.launcher.stop_grace_s)
+        command = launch_command(launcher, "model.train", [str(job_path)], port=free_port())
+        log.info("pretrain %s: %s%s", t.phase, " ".join(command), " (a Ray task)" if cfg.launcher.kind == "ray" else "")
+        code = (
+            run_ray_task(cfg.launcher, out, command, env, t.phase)
+            if cfg.launcher.kind == "ray"
+            else run_streaming(command, env, log.info, grace_s=cfg.launcher.stop_grace_s)
+        )
     summary = out / "summary.json"  # written last, by rank 0, once the phase is done
     if code == PREEMPTED:
         raise TrainerFailed(f"pretrain {t.phase}: the trainer was signalled (preemption, cancel), checkpointed and exited; a retry resumes")
@@ -219,6 +226,13 @@ def run_slurm_job(
     if end.name != "COMPLETED":
         log.warning("pretrain %s: Slurm job %s ended %s (exit code %s)", phase, job, end.name, end.exit_code)
     return PREEMPTED if end.name in ("TIMEOUT", "PREEMPTED", "NODE_FAIL") else end.exit_code
+
+
+def run_ray_task(launcher: LauncherCfg, out: Path, command: list[str], env: dict[str, str], phase: str) -> int:
+    """The launch command as a Ray task on the cluster, its output in OUT/ray.log and this task's log; its exit code."""
+    rayjobs.connect(launcher.ray_address)
+    cpus = launcher.nproc * thread_count(launcher.threads_per_rank)
+    return rayjobs.run_task(command, env, out / "ray.log", cpus, out.name, run_logger().info, launcher.stop_grace_s)
 
 
 @stage_task("pretrain-report", retries=1)

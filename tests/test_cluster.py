@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -233,6 +235,37 @@ def test_a_cancelled_flow_run_stops_its_ray_tasks(ray_head, prefect_server, tmp_
     assert not alive, "the cancelled flow run left its Ray tasks running"
 
 
+RAY_DRIVER = """
+import os
+import sys
+from pathlib import Path
+
+from infra import rayjobs
+
+rayjobs.connect(None)
+sleeper = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(600)"
+rayjobs.run_task([sys.executable, "-c", sleeper], dict(os.environ), Path(sys.argv[1]), 1, "sleeper", print, 5)
+"""
+
+
+def test_a_trainer_on_ray_dies_with_the_process_that_started_it(ray_head, tmp_path):
+    """`launcher.kind: ray`: a flow process SIGKILLed (no `finally` runs) leaves no trainer on the Ray worker."""
+    import psutil
+
+    log = tmp_path / "ray.log"
+    driver = subprocess.Popen([sys.executable, "-c", RAY_DRIVER, str(log)], cwd=REPO)
+    deadline = time.time() + 180
+    while not (log.is_file() and "pid " in log.read_text()):
+        assert time.time() < deadline and driver.poll() is None, "the Ray task never started its command"
+        time.sleep(0.5)
+    sleeper = psutil.Process(int(log.read_text().split("pid ")[1].split()[0]))
+    assert any(p.cmdline()[:1] and p.cmdline()[0].startswith("ray::") for p in sleeper.parents()), "it runs under a Ray worker"
+    driver.kill()
+    driver.wait(timeout=30)
+    _, alive = psutil.wait_procs([sleeper], timeout=60)
+    assert not alive, "the trainer outlived the process that launched it"
+
+
 # --- pretraining as a Slurm job ---------------------------------------------------------------------
 
 
@@ -396,38 +429,103 @@ def test_the_pipeline_deployment_curates_on_ray_and_pretrains_as_slurm_jobs(slur
     assert slurm.jobs() == []
 
 
-def test_a_swarm_trains_its_proxies_as_slurm_jobs_at_once(slurm, prefect_server, tmp_path):
-    """`smolflow swarm FILE --set OVERLAY` with the pretraining launcher on Slurm: `concurrency: 2` puts two
-    proxies' phases in the queue at once, every proxy is fitted, and no job is left behind."""
-    import csv
+# --- a swarm's proxies on Slurm and Ray: at once, and scoring what they score locally --------------------------
 
+PROXIES = ["p000", "p001", "p002", "p003"]
+
+
+def micro_swarm(tmp_path: Path, engine: dict[str, str] | None = None) -> tuple[Path, list[str]]:
+    """The micro swarm file (4 proxies, no validation) and the overrides that send its proxies to ENGINE."""
     import yaml
 
-    from flows.swarm import swarm_flow
     from tests.test_swarm import swarm_file
 
     targets = {"smol_ppl_code": 1.0, "smol_ppl_prose": 2.0}  # the micro recipe holds out no math documents
     path = swarm_file(tmp_path, concurrency=2, bounds={"math": [0.05, 0.5]}, targets=targets, validation=None)
-    overlay = tmp_path / "slurm.yaml"
-    overlay.write_text(yaml.safe_dump({"pretrain.launcher.kind": "slurm", "pretrain.launcher.slurm.time": "10"}))
-    running: list[int] = []
+    if engine is None:
+        return path, []
+    overlay = tmp_path / "engine.yaml"
+    overlay.write_text(yaml.safe_dump(engine))
+    return path, [f"@{overlay}"]
+
+
+def scores(root: Path) -> list[dict[str, str]]:
+    """The swarm's metrics.csv: each proxy's target and per-task scores, as written."""
+    import csv
+
+    with open(root / "report" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def local_swarm(prefect_server, tmp_path_factory) -> list[dict[str, str]]:
+    """What the micro swarm's proxies score trained by this process's children: what every engine must reproduce."""
+    from flows.swarm import swarm_flow
+
+    tmp = tmp_path_factory.mktemp("local-swarm")
+    swarm_flow(str(micro_swarm(tmp)[0]), str(tmp / "sw"))
+    return scores(tmp / "sw")
+
+
+def run_watched(swarm: tuple[Path, list[str]], root: Path, count: Callable[[], int]) -> int:
+    """Run the swarm, sampling COUNT (trainers running on the engine) every half second; the most seen at once."""
+    from flows.swarm import swarm_flow
+
+    running: list[int] = [0]
     stop = threading.Event()
 
     def watch() -> None:
         while not stop.is_set():
-            running.append(sum(1 for j in slurm.jobs() if j["state"] == "RUNNING" and "pretrain_" in j["name"]))
+            running.append(count())
             time.sleep(0.5)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        swarm_flow(str(path), str(tmp_path / "sw"), [f"@{overlay}"])
+        swarm_flow(str(swarm[0]), str(root), swarm[1])
     finally:
         stop.set()
         watcher.join()
-    assert max(running) >= 2, f"at most {max(running)} proxy phase(s) ran at once"
-    with open(tmp_path / "sw" / "report" / "metrics.csv") as f:
-        assert [r["run_id"] for r in csv.DictReader(f)] == ["p000", "p001", "p002", "p003"]
-    for proxy in ("p000", "p001", "p002", "p003"):  # every phase of every proxy was a batch job
-        assert all((tmp_path / "sw" / proxy / p / "slurm.log").is_file() for p in ("pretrain_phase1", "pretrain_long_context"))
+    return max(running)
+
+
+def test_a_swarm_trains_its_proxies_as_slurm_jobs_at_once(slurm, local_swarm, tmp_path):
+    """`smolflow swarm FILE --set OVERLAY` with the pretraining launcher on Slurm: `concurrency: 2` puts two
+    proxies in the queue at once, no job is left behind, and every proxy scores exactly what it scores locally."""
+    engine = {"pretrain.launcher.kind": "slurm", "pretrain.launcher.slurm.time": "10"}
+    most = run_watched(
+        micro_swarm(tmp_path, engine),
+        tmp_path / "sw",
+        lambda: sum(1 for j in slurm.jobs() if j["state"] == "RUNNING" and "pretrain_" in j["name"]),
+    )
+    assert most >= 2, f"at most {most} proxy job(s) ran at once"
+    assert all((tmp_path / "sw" / p / "pretrain_phase1" / "slurm.log").is_file() for p in PROXIES), "each proxy was a batch job"
     assert slurm.jobs() == []
+    assert [r["run_id"] for r in local_swarm] == PROXIES
+    assert scores(tmp_path / "sw") == local_swarm, "a proxy's scores do not depend on where it trained"
+
+
+def test_a_swarm_trains_its_proxies_as_ray_tasks_at_once(ray_head, local_swarm, tmp_path):
+    """With `pretrain.launcher.kind: ray` each proxy's trainer is a Ray task reserving its cores: two run at once on the
+    2-core head, none is left behind, and every proxy scores exactly what it scores locally."""
+    import psutil
+
+    def ray_trainers() -> int:
+        """Trainers whose ancestor is a Ray worker (Ray titles a worker's process `ray::...`)."""
+        found = 0
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if "model.train" in (proc.info["cmdline"] or []):
+                    found += any(p.cmdline()[:1] and p.cmdline()[0].startswith("ray::") for p in proc.parents())
+            except psutil.Error:
+                pass
+        return found
+
+    most = run_watched(micro_swarm(tmp_path, {"pretrain.launcher.kind": "ray"}), tmp_path / "sw", ray_trainers)
+    assert most >= 2, f"at most {most} proxy task(s) ran at once"
+    for proxy in PROXIES:
+        log = (tmp_path / "sw" / proxy / "pretrain_phase1" / "ray.log").read_text()
+        assert log.startswith("ray: ") and "step" in log, "the trainer ran as a Ray task, its output in the step's ray.log"
+    assert scores(tmp_path / "sw") == local_swarm, "a proxy's scores do not depend on where it trained"
+    time.sleep(2)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "model.train" in (p.info["cmdline"] or [])], "a trainer outlived its task"

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import yaml
 
+from infra.ablation import resolve_ablation
 from infra.recipe import RecipeError
 from infra.swarm import draw_mixtures, load_swarm, proxy_name
+from tasks.pretrain import train_configs
 from tests.helpers import micro_recipe, write_recipe
 
 VALIDATED = ("proposed", "prior", "natural")
@@ -58,6 +60,20 @@ def test_a_swarm_file_is_checked_against_its_base_recipe(tmp_path):
         load_swarm(swarm_file(tmp_path, bounds={"math": [0.6, 0.9], "code": [0.5, 0.9]}))
     with pytest.raises(RecipeError, match=r"phase: 7 is not a phase index"):
         load_swarm(swarm_file(tmp_path, phase=7))
+
+
+def test_a_proxy_trains_up_to_the_searched_phase_and_its_learning_rate_decays_there(tmp_path):
+    swarm = load_swarm(swarm_file(tmp_path, phase=1))
+    runs = resolve_ablation(swarm.ablation_cfg(draw_mixtures(swarm, 4, seed=0).mixtures), swarm.path, tmp_path / "sw").runs
+    for run in runs:
+        assert [ph.name for ph in run.recipe.pretrain.phases] == ["phase1", "phase2"]
+        phase1, phase2 = train_configs(run.recipe)
+        end = phase2.schedule.offset + phase2.schedule.steps
+        assert end == phase2.schedule.total > phase2.schedule.decay_start >= phase2.schedule.offset, "the decay falls in phase 2"
+        assert phase2.yarn_factor is None, "YaRN belongs to the long-context phase the proxy leaves out"
+    assert len(load_swarm(swarm_file(tmp_path, phase=1, later_phases=True)).recipe.pretrain.phases) == 4
+    with pytest.raises(RecipeError, match=r"pretrain: until_phase: 'phase9' is not a phase \(phase1, phase2, phase3, long_context\)"):
+        load_swarm(swarm_file(tmp_path, set=["pretrain.until_phase=phase9"], later_phases=True))
 
 
 def planted(w: np.ndarray) -> dict[str, np.ndarray]:
@@ -134,6 +150,28 @@ def test_the_report_writes_olmix_ratios_and_metrics(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_failed_proxy_is_returned_with_its_error_while_the_others_train(tmp_path, prefect_server, monkeypatch):
+    """run_all(keep_going=True), as a swarm calls it: one proxy's failure ends neither the swarm nor its other proxies."""
+    from prefect import flow
+
+    import flows.ablation
+    from flows.swarm import open_swarm
+
+    @flow
+    def pipeline(base: str, run_dir: str, overrides: list[str], until: str | None) -> None:  # each proxy's pipeline, in short
+        if run_dir.endswith("p001"):
+            raise RuntimeError("p001 broke on purpose\nmore lines of its traceback")
+        (Path(run_dir) / "trained").touch()
+
+    monkeypatch.setattr(flows.ablation, "full_pipeline", pipeline)
+    _, _, abl = open_swarm(str(swarm_file(tmp_path, concurrency=2)), str(tmp_path / "sw"))
+    failed = flow(lambda: flows.ablation.run_all(abl, keep_going=True), name="swarm")()
+    assert failed == {"p001": "RuntimeError: p001 broke on purpose"}
+    assert sorted(p.parent.name for p in (tmp_path / "sw").glob("p*/trained")) == ["p000", "p002", "p003"]
+    with pytest.raises(RuntimeError, match="p001 broke on purpose"):  # an ablation's comparison needs every run
+        flow(lambda: flows.ablation.run_all(abl), name="ablation")()
+
+
 def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds_nothing(tmp_path, prefect_server):
     from flows.swarm import swarm_flow
 

@@ -41,6 +41,7 @@ from datatrove.utils.text import TextNormConfig, ngrams, simplify_text
 from fsspec.compression import register_compression
 
 from infra.errors import DataError, SmolflowError
+from infra.rayjobs import connect
 from infra.recipe import DecontaminateCfg, DedupCfg, ExecutorCfg, S3Cfg, SourceCfg
 from tasks.curation.filters import HeldOutSplit, ShortItemDecontFilter, build_filters
 from tasks.curation.readers import list_source_files, make_reader
@@ -137,7 +138,7 @@ def run_pipeline(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: int
         executor.run()
         return read_stats(logging_dir)
     if cfg.kind == "ray":
-        connect_ray(cfg.ray_address)
+        connect(cfg.ray_address)
         try:
             executor.run()
         except BaseException:  # cancelled, interrupted: the tasks this driver owns die when it leaves the cluster
@@ -163,22 +164,6 @@ def run_pipeline(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: int
         _scancel(executor.job_name)
         raise
     return read_stats(logging_dir)
-
-
-def connect_ray(address: str | None) -> None:
-    """Join the Ray cluster at `address`, else the one $RAY_ADDRESS or this machine's last `ray start` names."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    try:
-        ray.init(address=address or "auto", log_to_driver=False, configure_logging=False)
-    except ConnectionError as err:
-        raise SmolflowError(
-            f"no Ray cluster at {address or 'auto (RAY_ADDRESS, or the last one started here)'}: {err}; "
-            "start one with `smolflow cluster ray start` or set executor.ray_address (its head wants its token: "
-            "`source .smolflow/env` exports RAY_AUTH_MODE and RAY_AUTH_TOKEN_PATH)"
-        ) from err
 
 
 def _slurm_jobs(name: str) -> list[tuple[str, str, str]]:

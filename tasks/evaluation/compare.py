@@ -31,7 +31,7 @@ from tasks.common import run_logger
 from tasks.evaluation.audit import NO_SIGNAL, audit, audit_table
 from tasks.evaluation.plots import artifact, save
 from tasks.evaluation.report import eval_records, step_metrics
-from tasks.evaluation.results import ResultStore, local_fingerprint, main_metric, stderr_of
+from tasks.evaluation.results import local_fingerprint, main_metric, run_results, stderr_of
 from tasks.evaluation.stats import Items, items_of, noise_floor, paired, verdict
 
 LOWER_IS_BETTER = ("bits_per_byte", "loss")
@@ -88,7 +88,7 @@ def _models(run: AblationRunDir) -> dict[str, tuple[str, StepOutput]]:
 def model_results(run: AblationRunDir, label: str) -> dict[str, dict[str, Any]]:
     """task -> metrics of the run's model LABEL from the run's result store ({} until it is finished and scored)."""
     found = _models(run).get(label)
-    record = ResultStore(str(run.run_dir / "evals" / "results")).get(found[0]) if found else None
+    record = run_results(run.run_dir).get(found[0]) if found else None
     return {task: entry["metrics"] for task, entry in (record or {"tasks": {}})["tasks"].items()}
 
 
@@ -99,7 +99,7 @@ def _rows(runs: list[AblationRunDir]) -> tuple[list[Row], list[str]]:
     identical = [label for label in labels if len({models[r.name][label][0] for r in runs}) == 1]
     rows: dict[tuple[str, str, str], Row] = {}
     for run in runs:
-        results = ResultStore(str(run.run_dir / "evals" / "results"))
+        results = run_results(run.run_dir)
         for label in labels:
             if label in identical:
                 continue

@@ -203,6 +203,13 @@ def remote_fingerprint(fs, folder: str, sub: str, files: dict[str, Any]) -> tupl
     return fingerprint_listing({rel: r["md5"] for rel, r in record.items()}), None
 
 
+RESULTS = Path("evals") / "results"  # a run's result store (an ablation's and a swarm's runs link theirs to a shared one)
+
+
+def run_results(run_dir: Path) -> ResultStore:
+    return ResultStore(str(run_dir / RESULTS))
+
+
 class ResultStore:
     """Evaluation results per model fingerprint, in a local folder or under an fsspec URL."""
 

@@ -22,7 +22,7 @@ from infra.recipe import EvalCfg, S3Cfg
 from infra.storage import Mirror, StorageError, download_folder
 from model.checkpoint import mark_evaluated
 from tasks.evaluation.harness import EvalFailed, EvalJob, EvalWorker, keep_worker, kept_worker, tasks_without_data
-from tasks.evaluation.results import ModelRef, ResultStore, eval_key, main_metric
+from tasks.evaluation.results import RESULTS, ModelRef, ResultStore, eval_key, main_metric
 
 
 @dataclass
@@ -119,7 +119,7 @@ class Evaluator:
     def _done(self, model: ModelRef, record: dict, summary: EvalSummary) -> None:
         self._mark_evaluated(model)
         if self.mirror is not None:
-            self.mirror.put_file(Path(self.store.root) / f"{model.fingerprint}.json", f"evals/results/{model.fingerprint}.json")
+            self.mirror.put_file(Path(self.store.root) / f"{model.fingerprint}.json", f"{RESULTS.as_posix()}/{model.fingerprint}.json")
         summary.evaluated.append(model.label)
         self.log.info("eval %s (%s): %s", model.label, _tokens(model), headline(record))
 
