@@ -24,6 +24,7 @@ from flows.graph import STAGES, build_graph
 from flows.pipeline import full_pipeline
 from infra.ablation import Ablation, AblationRun, load_ablation
 from infra.errors import SmolflowError
+from infra.procs import STOPPING, stop_on_signals
 from infra.recipe import Recipe
 from infra.steps import STEPS, Step, plan_ids, statuses
 from infra.storage import Mirror, write_json_atomic
@@ -192,6 +193,7 @@ def run_all(abl: Ablation, keep_going: bool = False) -> dict[str, str]:
     A run that fails (its tasks' retries spent) fails the call once the others ended; with KEEP_GOING (a
     swarm, where one proxy less still fits) it is logged and returned instead: run name -> error."""
     log = get_run_logger()
+    stop_on_signals()  # a SIGTERM stops the runs in flight (their trainers checkpoint) and starts no more
     prepare(abl)
     for line in explain(abl):
         log.info(line)
@@ -200,11 +202,13 @@ def run_all(abl: Ablation, keep_going: bool = False) -> dict[str, str]:
     failed: dict[str, str] = {}
 
     def one(run) -> None:
+        if STOPPING.is_set():
+            return
         named = full_pipeline.with_options(flow_run_name=f"{abl.cfg.name}/{run.name}")
         try:
             named(str(abl.base), str(abl.root / run.name), list(run.overrides), until)
         except Exception as err:  # a cancel or an interrupt is no run's failure: it ends the call
-            if not keep_going:
+            if not keep_going or STOPPING.is_set():
                 raise
             failed[run.name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             log.error("ablation %s: run %s failed, the others go on: %s", abl.cfg.name, run.name, failed[run.name])

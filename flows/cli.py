@@ -275,11 +275,13 @@ def swarm(
 
     The base recipe is curated once; N mixtures are drawn around the phase's prior (Dirichlet, seeded, within
     the bounds and pretrain.max_epochs: refused draws are redrawn and counted); each proxy is a run of an ablation
-    (shared steps built once, `concurrency` at a time). A log-linear and a lightgbm fit of mixture -> target
+    (shared steps built once, `concurrency` at a time) that trains the phases up to the searched one (a failed
+    proxy is reported, and retried by a rerun). A log-linear and a lightgbm fit of mixture -> target
     (the target tasks' weighted main metric) are compared out of fold; the better one proposes a mixture, which
     is then trained beside the prior and the natural mixture at a larger scale over seeds (`validation`).
     report/swarm.md, ratios.csv and metrics.csv (Olmix's format) land in the swarm's folder. `--set` applies to
-    every run, e.g. `--set @configs/overlays/slurm.yaml` trains each proxy's phases as Slurm jobs."""
+    every run, e.g. `--set @configs/overlays/slurm.yaml` trains each proxy's phases as Slurm jobs,
+    `--set pretrain.launcher.kind=ray` as Ray tasks."""
     from flows.ablation import plan_table
     from flows.swarm import explain, known_tokens, open_swarm, swarm_flow
     from flows.swarm import report as swarm_report

@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger
 
 from flows.graph import EVALUATE, STAGES, Graph, build_graph
 from infra.errors import SmolflowError
+from infra.procs import stop_on_signals
 from infra.recipe import Override, Recipe, load_recipe
 from infra.steps import RECIPE, RUNS, Run, Step, StepOutput, finished, frozen_recipe, require
 from infra.storage import filesystem
@@ -36,6 +37,7 @@ def opened(recipe: str | None, run_dir: str | None, overrides: list[str] | None)
     recipe of its own is refused instead of re-freezing the recipe this flow's later stages read."""
     from prefect.runtime import flow_run
 
+    stop_on_signals()  # the threads beside this one learn of a SIGTERM too (infra/procs.py STOPPING)
     run = Run.open(recipe, run_dir, overrides or [], owner=flow_run.root_flow_run_id)
     try:
         yield run, build_graph(run.recipe)
@@ -70,17 +72,26 @@ def run_steps(run: Run, stage: str, graph: Graph, available: dict[str, StepOutpu
 @contextmanager
 def eval_follower(run: Run, graph: Graph, kinds: tuple[str, ...]) -> Iterator[bool]:
     """Scores the run's KINDS of models ("checkpoint", "model") as they are committed, beside the body;
-    no follower without KINDS or when the recipe turns following off. Yields whether one follows."""
+    no follower without KINDS or when the recipe turns following off. Yields whether one follows.
+    A body that fails or is stopped (SIGTERM, a cancel) abandons the follower: it scores nothing new and
+    its running evaluation is killed, so the process ends with its trainers (a relaunch scores the rest)."""
     if not kinds or not ev.following(run.recipe):
         yield False
         return
-    stop = threading.Event()
-    follower = ev.follow.submit(run, graph.models, stop, kinds)
+    stop, abandon = threading.Event(), threading.Event()
+    follower = ev.follow.submit(run, graph.models, stop, kinds, abandon)
     try:
         yield True
+    except BaseException:
+        abandon.set()
+        raise
     finally:
         stop.set()
-        follower.wait()
+        try:
+            follower.wait()
+        except BaseException:  # stopped while the follower finished its last round
+            abandon.set()
+            raise
 
 
 Report = Callable[[Run, Graph, dict[str, StepOutput]], Path]

@@ -19,15 +19,15 @@ import numpy as np
 from prefect import flow, get_run_logger
 
 import flows.ablation
-from flows.ablation import checked, link_stores, run_all, store_of
+from flows.ablation import checked, link_stores, run_all, steps_of, store_of
 from flows.graph import build_graph
 from flows.pipeline import STAGE_FLOWS, Overrides
 from infra.ablation import Ablation, AblationCfg, AblationRun, VariantCfg, resolve_ablation
-from infra.steps import finished, read_manifest
+from infra.steps import MANIFEST, finished, read_manifest
 from infra.swarm import Draws, Swarm, bounds_of, draw_mixtures, load_swarm, proxy_name, rounded
 from tasks.curation.mixtures import MixtureError, resolve_mixtures
 from tasks.evaluation.compare import AblationRunDir, model_results
-from tasks.evaluation.results import fingerprint_listing, main_metric
+from tasks.evaluation.results import RESULTS, fingerprint_listing, main_metric
 from tasks.evaluation.swarm import FAMILIES, Evidence, Fit, choose, fit, propose, publish, weighted
 from tasks.pretrain import mixture_phases
 
@@ -94,6 +94,8 @@ def explain(swarm: Swarm, draws: Draws, known_tokens: bool) -> list[str]:
         f"swarm {cfg.name}: {cfg.proxies} proxies of {swarm.base.name} in {swarm.root}, searching phase {cfg.phase} "
         f"({swarm.recipe.pretrain.phases[cfg.phase].name}) over {', '.join(swarm.sources)}",
         f"  draws: Dirichlet({cfg.concentration:g} x prior {swarm.as_dict(swarm.prior)}), seed {cfg.seed}; {proxy_name(0)} is the prior",
+        f"  each proxy trains {', '.join(ph.name for ph in swarm.recipe.pretrain.phases)}"
+        + ("" if cfg.later_phases else " (the phases after the searched one are left out: later_phases: false)"),
         *(f"  {proxy_name(i)}: {swarm.as_dict(w)}" for i, w in enumerate(draws.mixtures)),
         f"  redrawn: {', '.join(f'{n} {why}' for why, n in draws.redrawn.items()) or 'none'}",
     ]
@@ -268,6 +270,27 @@ def validated(swarm: Swarm, proposal: Proposal, check: Ablation) -> list[str]:
     return lines
 
 
+def cost(abl: Ablation) -> str:
+    """What the proxies cost: their own steps (each one's mixtures and pretraining, seconds from the manifests), the
+    steps every proxy shares (built once), their models' evaluations, and the wall time of each invocation."""
+    users: dict[Path, int] = {}
+    for run in abl.runs:
+        for step in steps_of(abl, run):
+            if (folder := abl.root / run.name / step.name / MANIFEST).is_file():
+                users[folder.resolve()] = users.get(folder.resolve(), 0) + 1
+    seconds = {m: float(json.loads(m.read_text()).get("seconds") or 0) for m in users}
+    own = [s for m, s in seconds.items() if users[m] == 1]
+    shared = [s for m, s in seconds.items() if users[m] > 1]
+    evals = [float(json.loads(p.read_text()).get("seconds") or 0) for p in (abl.root / RESULTS).glob("*.json")]
+    walls = json.loads((abl.root / "ablation.json").read_text()).get("wall_seconds", [])
+    return (
+        f"Cost: the proxies' own steps {sum(own):,.0f} s ({len(own)} steps, {sum(own) / max(len(abl.runs), 1):,.0f} s a proxy); "
+        f"{len(shared)} steps shared by the proxies, built once ({sum(shared):,.0f} s when built); {len(evals)} evaluations "
+        f"{sum(evals):,.0f} s; wall time {', '.join(f'{w:,.0f} s' for w in walls) or 'not recorded'} "
+        f"(each `smolflow swarm`, {abl.cfg.concurrency} proxies at a time)."
+    )
+
+
 def report(
     swarm: Swarm, draws: Draws, abl: Ablation, available: dict[str, int], p: Proposal | None = None, failed: dict[str, str] | None = None
 ) -> Path:
@@ -284,10 +307,12 @@ def report(
         f"redrawn: {', '.join(f'{n} {why}' for why, n in draws.redrawn.items()) or 'none'}.",
         f"Tokens per source after curation: {', '.join(f'{s} {n:,}' for s, n in available.items())}.",
     ]
+    header.append(cost(abl))
     if failed:
         header.append(f"**Failed** ({len(failed)}; a rerun retries them): " + "; ".join(f"{r}: {why}" for r, why in failed.items()) + ".")
     proposal = {"mixture": swarm.as_dict(p.mixture), "predicted": p.predicted, "candidates": p.candidates, "family": p.chosen.family}
     extra = []
     if swarm.cfg.validation and (swarm.root / VALIDATE).is_dir():
         extra = validated(swarm, p, validation(swarm, available, p)[0])
-    return publish(swarm.root, swarm.cfg.name, header, p.evidence, swarm.cfg.targets, p.fits, proposal, swarm.prior, extra)
+    bounds = bounds_of(swarm.cfg, swarm.sources)
+    return publish(swarm.root, swarm.cfg.name, header, p.evidence, swarm.cfg.targets, p.fits, proposal, swarm.prior, bounds, extra)

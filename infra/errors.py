@@ -27,6 +27,10 @@ class TrainerFailed(SmolflowError):
     retryable = True
 
 
+class Stopped(SmolflowError):
+    """This process was told to stop (a signal): what it ran checkpointed and ended; a relaunch resumes, no retry here."""
+
+
 class DiskFull(SmolflowError):
     """No room left where a step, a checkpoint or a result is written: the message names the folder and its free space,
     and what was committed before is untouched (every commit is a rename of a finished folder or file)."""

@@ -26,8 +26,10 @@ import psutil
 
 from infra.env import thread_count
 from infra.locks import lease_env, record_child
-from infra.procs import kill_tree, owner_env, tethered
+from infra.procs import STOPPING, kill_tree, owner_env, tethered
 from infra.recipe import AccelerateCfg, LauncherCfg
+
+POLL_S = 0.5  # how often a loop that waits on a job or trainer looks at STOPPING
 
 
 def free_port() -> int:
@@ -101,20 +103,36 @@ def run_streaming(
     command: list[str], env: dict[str, str], on_line: Callable[[str], None], cwd: str | None = None, grace_s: float = 0
 ) -> int:
     """Run `command`, passing each line of its output (stdout and stderr) to `on_line`; returns the exit code.
-    Cancelled or interrupted, its ranks get SIGTERM and GRACE_S to checkpoint and exit before the tree is killed."""
+    Cancelled or interrupted, its ranks get SIGTERM and GRACE_S to checkpoint and exit before the tree is killed;
+    so too, in a thread beside the main one (where no signal's exception reaches), once the process is STOPPING."""
     proc = subprocess.Popen(tethered(command), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    ended = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        threading.Thread(target=_stop_when_stopping, args=(proc, command, grace_s, on_line, ended), daemon=True).start()
     try:
         record_child(proc.pid)
         for line in proc.stdout:
             on_line(line.rstrip())
         return proc.wait()
     finally:
+        ended.set()
         if proc.poll() is None:  # cancelled or interrupted: no rank may survive the task
             drain = threading.Thread(target=_drain, args=(proc.stdout, on_line), daemon=True)
             drain.start()  # the ranks' last lines (their checkpoint) still reach the log, and a full pipe never blocks them
             stop_tree(proc.pid, command, grace_s, on_line)
             drain.join(timeout=5)
         proc.stdout.close()
+
+
+def _stop_when_stopping(
+    proc: subprocess.Popen, command: list[str], grace_s: float, on_line: Callable[[str], None], ended: threading.Event
+) -> None:
+    while not ended.is_set():
+        if STOPPING.wait(POLL_S):
+            if not ended.is_set() and proc.poll() is None:
+                on_line("this process is stopping (a signal)")
+                stop_tree(proc.pid, command, grace_s, on_line)
+            return
 
 
 def stop_tree(pid: int, command: list[str], grace_s: float, on_line: Callable[[str], None]) -> None:

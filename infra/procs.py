@@ -32,6 +32,34 @@ PREEMPTED_MARK = "preempted"
 OWNER_ENV = "SMOLFLOW_OWNER"  # "PID:START" of the task process that owns a launched tree
 HOST = socket.gethostname()
 
+# Set when this process is told to stop (SIGTERM: a scheduler, a cancel; SIGINT): Prefect turns the signal into
+# an exception in the main thread only, so the threads beside it (an ablation's runs, eval followers, trainers
+# they launched) read this to stop too: trainers checkpoint, followers score nothing new, queued runs never start.
+STOPPING = threading.Event()
+
+
+def stop_on_signals() -> None:
+    """Set STOPPING on SIGTERM and SIGINT, then run the handler in place before (Prefect's, which raises in the
+    main thread). Called at the top of flow bodies: Prefect installs its handler when a flow starts. Only the
+    main thread may install handlers: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        before = signal.getsignal(sig)
+        if getattr(before, "sets_stopping", False):
+            continue
+
+        def handler(signum: int, frame: Any, before: Any = before) -> None:
+            STOPPING.set()
+            if callable(before):
+                before(signum, frame)
+            elif before == signal.SIG_DFL:  # the default: the process ends as it would have
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        handler.sets_stopping = True  # type: ignore[attr-defined]
+        signal.signal(sig, handler)
+
 
 @dataclass(frozen=True)
 class Proc:

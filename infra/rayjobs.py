@@ -17,10 +17,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from infra.errors import SmolflowError
-from infra.launch import run_streaming, stream_lines
-
-POLL_S = 1.0
+from infra.errors import SmolflowError, Stopped
+from infra.launch import POLL_S, run_streaming, stream_lines
+from infra.procs import STOPPING
 
 
 def connect(address: str | None) -> None:
@@ -51,6 +50,8 @@ def run_task(
     try:
         while not ray.wait([ref], timeout=POLL_S)[0]:
             offset = stream_lines(log, offset, on_line)
+            if STOPPING.is_set():  # a signal this thread's exception does not reach (an ablation's run)
+                raise Stopped(f"Ray task {name}: this process is stopping; the task is interrupted (its ranks checkpoint)")
         stream_lines(log, offset, on_line)
         return ray.get(ref)
     except BaseException:

@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.errors import SmolflowError
+from infra.errors import SmolflowError, Stopped
 from infra.launch import stream_lines
-from infra.procs import PREEMPTED, PREEMPTED_MARK
+from infra.procs import PREEMPTED, PREEMPTED_MARK, STOPPING
 from infra.recipe import LauncherCfg
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
@@ -165,6 +165,8 @@ def follow(job: str, log: Path, on_line: Callable[[str], None], pending_s: float
     offset, restarts, last, failures, waiting_since = 0, 0, "", 0, time.monotonic()
     try:
         while True:
+            if STOPPING.is_set():  # a signal this thread's exception does not reach (an ablation's run)
+                raise Stopped(f"Slurm job {job}: this process is stopping; the job is cancelled (its ranks checkpoint)")
             try:
                 current = state(job)
                 failures = 0

@@ -60,11 +60,11 @@ def _finish(summary: EvalSummary, what: str) -> dict:
 
 
 @stage_task("eval-follow", retries=1)
-def follow(run: Run, models: Models, stop: threading.Event, kinds: tuple[str, ...]) -> dict:
+def follow(run: Run, models: Models, stop: threading.Event, kinds: tuple[str, ...], abandon: threading.Event) -> dict:
     """Evaluate each checkpoint (and with "model" in KINDS each finished model) as it is committed, until
-    `stop` and none is left: beside a trainer it takes the cores the trainer leaves idle."""
+    `stop` and none is left: beside a trainer it takes the cores the trainer leaves idle. `abandon`: at once."""
     ev = evaluator(run.recipe, run.run_dir, Path(models.heldout_dir(run.run_dir)), run.mirror)
-    summary = ev.follow(lambda: [m for m in models_in_run(run.run_dir, models.steps) if m.kind in kinds], stop)
+    summary = ev.follow(lambda: [m for m in models_in_run(run.run_dir, models.steps) if m.kind in kinds], stop, abandon)
     if summary.failed:  # the evaluate stage retries them; training is not failed for an eval
         run_logger().warning(
             "eval follower: %d model(s) failed, left to the evaluate stage: %s", len(summary.failed), sorted(summary.failed)

@@ -19,9 +19,9 @@ from prefect.artifacts import create_table_artifact
 
 from infra import rayjobs, slurm
 from infra.env import thread_count
-from infra.errors import SmolflowError, TrainerFailed
+from infra.errors import SmolflowError, Stopped, TrainerFailed
 from infra.launch import free_port, launch_command, launch_env, run_streaming
-from infra.procs import OWNER_ENV, PREEMPTED
+from infra.procs import OWNER_ENV, PREEMPTED, STOPPING
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
 from infra.steps import CHECKPOINTS, StepOutput
 from infra.storage import write_json_atomic
@@ -198,6 +198,8 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
             else run_streaming(command, env, log.info, grace_s=cfg.launcher.stop_grace_s)
         )
     summary = out / "summary.json"  # written last, by rank 0, once the phase is done
+    if code == PREEMPTED and STOPPING.is_set():
+        raise Stopped(f"pretrain {t.phase}: this process is stopping; the trainer checkpointed and exited: a relaunch resumes")
     if code == PREEMPTED:
         raise TrainerFailed(f"pretrain {t.phase}: the trainer was signalled (preemption, cancel), checkpointed and exited; a retry resumes")
     if code != 0 or not summary.is_file():

@@ -26,7 +26,7 @@ from model.checkpoint import CheckpointStore, mark_evaluated
 from tasks.evaluation.harness import EvalJob, EvalWorker, prepare_tasks
 from tasks.evaluation.plots import inline
 from tasks.evaluation.report import build_report, phase_ends
-from tasks.evaluation.results import ModelRef, ResultStore, local_fingerprint, models_in_run
+from tasks.evaluation.results import ModelRef, ResultStore, local_fingerprint, models_in_run, scoring_key
 from tasks.evaluation.runner import Evaluator
 from tests.helpers import REPO, micro_recipe
 
@@ -153,7 +153,7 @@ def test_generative_scores_are_the_same_with_the_vllm_and_the_transformers_backe
 def test_models_pending_at_once_are_scored_in_one_child_and_a_failing_one_is_reported_not_dropped(tmp_path, heldout, monkeypatch):
     children = []
     real = EvalWorker.run
-    monkeypatch.setattr(EvalWorker, "run", lambda self, jobs: children.append(jobs) or real(self, jobs))
+    monkeypatch.setattr(EvalWorker, "run", lambda self, jobs, abandon=None: children.append(jobs) or real(self, jobs, abandon))
     cfg = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], model_tasks=["smol_arithmetic_gen"], limit=2)
     ev = evaluator(tmp_path, heldout, cfg)
     broken = tmp_path / "broken"
@@ -172,6 +172,40 @@ def test_models_pending_at_once_are_scored_in_one_child_and_a_failing_one_is_rep
     assert summary.evaluated == ["sft"]
     assert set(ev.store.get(local_fingerprint(good))["tasks"]) == {"smol_arithmetic_cf", "smol_arithmetic_gen"}
     assert ev.store.get(local_fingerprint(broken)) is None
+
+
+def test_a_final_model_with_its_last_checkpoints_weights_takes_its_scores(tmp_path, heldout, monkeypatch):
+    """A phase's final export and its last checkpoint differ only in the model card and `use_cache`: the final takes
+    the checkpoint's plain scores instead of being scored again, and only its chat tasks run."""
+    children = []
+    real = EvalWorker.run
+    monkeypatch.setattr(EvalWorker, "run", lambda self, jobs, abandon=None: children.append(jobs) or real(self, jobs, abandon))
+    cfg = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf", "smol_ppl_math"], model_tasks=["smol_arithmetic_gen"], limit=2)
+    ev = evaluator(tmp_path, heldout, cfg)
+    checkpoint = save_micro_model(tmp_path / "checkpoint", seed=1)
+    final = tmp_path / "final"
+    subprocess.run(["cp", "-r", str(checkpoint), str(final)], check=True)
+    (final / "README.md").write_text("# a model card\n")
+    config = json.loads((final / "config.json").read_text())
+    (final / "config.json").write_text(json.dumps(config | {"use_cache": not config["use_cache"]}))
+
+    def ref(folder: Path, label: str, kind: str) -> ModelRef:
+        return ModelRef(str(folder), local_fingerprint(folder), label, kind, "phase1", scores_as=scoring_key(folder))
+
+    refs = [ref(checkpoint, "phase1/step00000005", "checkpoint"), ref(final, "base", "model")]
+    assert refs[0].fingerprint != refs[1].fingerprint and refs[0].scores_as == refs[1].scores_as
+    summary = ev.run(refs)
+    assert summary.evaluated == ["phase1/step00000005", "base"] and not summary.failed
+    assert [[(job.tasks, job.chat) for job in jobs] for jobs in children] == [
+        [(["smol_arithmetic_cf", "smol_ppl_math"], False)],
+        [(["smol_arithmetic_gen"], True)],
+    ], "the final's plain tasks were not run again"
+    theirs, ours = ev.store.get(refs[0].fingerprint)["tasks"], ev.store.get(refs[1].fingerprint)["tasks"]
+    assert set(ours) == {"smol_arithmetic_cf", "smol_ppl_math", "smol_arithmetic_gen"}
+    assert all(ours[t] == theirs[t] for t in theirs), "the same entries, per-item outcomes included"
+    # a config key a score depends on (the long-context phase's YaRN settings) makes another scoring key
+    (final / "config.json").write_text(json.dumps(config | {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
+    assert scoring_key(final) != refs[0].scores_as
 
 
 def test_a_child_that_replies_other_than_done_and_lives_on_is_killed_not_waited_for(tmp_path, monkeypatch):
@@ -382,7 +416,7 @@ def test_a_checkpoint_whose_step_commits_while_it_is_scored_is_found_where_it_we
     [model] = models_in_run(run, graph)
     assert model.path.startswith(str(partial))
 
-    def commit_while_scoring(worker, jobs):
+    def commit_while_scoring(worker, jobs, abandon=None):
         partial.rename(final)
         return [{"metrics": {"smol_arithmetic_cf": {"acc": 0.5}}, "seconds": 0.1} for _ in jobs]
 

@@ -261,3 +261,56 @@ def test_stage_on_an_empty_run_dir_says_what_to_run_first(tmp_path):
         cwd=REPO,
     )
     assert sft.returncode == 2 and "smolflow stage pretrain" in sft.stderr, sft.stderr
+
+
+@pytest.mark.slow
+def test_a_terminated_run_scores_nothing_new_and_exits(tmp_path, prefect_server):
+    """SIGTERM (a scheduler's stop, a cancel) during pretraining: the trainer checkpoints and exits, and the eval
+    follower is abandoned: the checkpoint saved on the signal is a relaunch's to score, not this process's, which
+    ends with its trainer instead of evaluating on (it scored that checkpoint in its child, alive from before)."""
+    import os
+    import signal
+    import time
+
+    import psutil
+    from prefect.settings import PREFECT_API_URL
+
+    from tasks.evaluation.results import local_fingerprint, run_results
+
+    changes = {
+        "pretrain.phases.0.tokens": 400_000,  # ~1,500 steps: still training when the signal comes
+        "pretrain.checkpoint.every_steps": 40,
+        "evaluation.checkpoint_tasks": ["smol_ppl_code"],
+        "evaluation.model_tasks": [],
+        "evaluation.limit": 8,
+    }
+    recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe(**changes))
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    cmd = [str(Path(sys.executable).parent / "smolflow"), "run", str(recipe), "--run-dir", str(run_dir), "--until", "pretrain"]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cli = psutil.Process(proc.pid)
+    deadline = time.time() + 400
+    while not list((run_dir / "steps" / ".partial").glob("pretrain_phase1-*/checkpoints/latest.json")):  # the follower has work
+        assert time.time() < deadline and proc.poll() is None, "no checkpoint was saved"
+        time.sleep(0.2)
+    trainers = [p for p in cli.children(recursive=True) if "model.train" in p.cmdline()]
+    assert trainers, "the trainer had already finished: train longer"
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.time()
+    started_after: list[str] = []
+    while proc.poll() is None and time.time() < signalled + 300:
+        for child in cli.children(recursive=True) if proc.poll() is None else []:
+            try:
+                if "tasks.evaluation.harness" in child.cmdline() and child.create_time() > signalled:
+                    started_after.append(" ".join(child.cmdline()[-4:]))
+            except psutil.Error:
+                pass
+        time.sleep(0.2)
+    assert proc.poll() is not None and proc.returncode != 0, "the terminated run did not end, or ended as a success"
+    assert not started_after, f"an evaluation started after SIGTERM: {started_after[:1]}"
+    _, alive = psutil.wait_procs(trainers, timeout=30)
+    assert not alive, "the trainer outlived the run"
+    [latest] = (run_dir / "steps" / ".partial").glob("pretrain_phase1-*/checkpoints/latest.json")
+    on_signal = latest.parent / json.loads(latest.read_text())["tag"] / "hf"
+    assert run_results(run_dir).get(local_fingerprint(on_signal)) is None, "the checkpoint saved on SIGTERM was scored after it"

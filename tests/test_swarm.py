@@ -115,7 +115,7 @@ def test_the_fits_rank_proxies_of_a_planted_law_and_the_proposal_beats_every_pro
 
 
 def test_the_report_writes_olmix_ratios_and_metrics(tmp_path):
-    from tasks.evaluation.swarm import Evidence, fit, publish
+    from tasks.evaluation.swarm import Evidence, fit, publish, response
 
     rng = np.random.default_rng(1)
     w = rng.dirichlet([4, 4, 2], 8)
@@ -126,7 +126,8 @@ def test_the_report_writes_olmix_ratios_and_metrics(tmp_path):
     weights = dict.fromkeys(scores, 1.0)
     fits = [fit(f, w, scores, weights) for f in ("log-linear", "lightgbm")]
     proposal = {"mixture": {"prose": 0.3, "code": 0.3, "math": 0.4}, "predicted": 1.0, "candidates": 10, "family": "log-linear"}
-    path = publish(tmp_path / "mix", "mix", ["# Swarm mix"], ev, weights, fits, proposal, np.array([0.45, 0.45, 0.1]))
+    prior, bounds = np.array([0.45, 0.45, 0.1]), (np.zeros(3), np.ones(3))
+    path = publish(tmp_path / "mix", "mix", ["# Swarm mix"], ev, weights, fits, proposal, prior, bounds)
     out = path.parent
     with open(out / "ratios.csv") as f:
         ratios = list(csv.DictReader(f))
@@ -142,14 +143,18 @@ def test_the_report_writes_olmix_ratios_and_metrics(tmp_path):
     assert data["chosen"] == "log-linear" and len(data["proxies"]) == 8 and data["trusted"] is True
     text = path.read_text()
     assert "## Proposed mixture" in text and "(chosen)" in text and (out / "fit.png").is_file()
+    assert "![response curves](response.png)" in text and (out / "response.png").is_file()
+    # a source's response: the planted math loss falls along math's weight, the others in the prior's proportions
+    math_fit = fit("log-linear", w, {"smol_ppl_math": scores["smol_ppl_math"]}, {"smol_ppl_math": 1.0})
+    x, predicted = response(math_fit.predict, prior, 2, (0.05, 0.6))
+    assert x[0] == 0.05 and x[-1] == 0.6 and (np.diff(predicted) < 0).all()
     assert data["domains"] == domains and "Changed since" not in text
     # the code tokens change: the next report says its evidence was measured on other data
     ev = replace(ev, domains=domains | {"code": "d" * 24})
-    text = publish(tmp_path / "mix", "mix", ["# Swarm mix"], ev, weights, fits, proposal, np.array([0.45, 0.45, 0.1])).read_text()
+    text = publish(tmp_path / "mix", "mix", ["# Swarm mix"], ev, weights, fits, proposal, prior, bounds).read_text()
     assert "**Changed since the last report:** the tokens of code" in text
 
 
-@pytest.mark.slow
 def test_a_failed_proxy_is_returned_with_its_error_while_the_others_train(tmp_path, prefect_server, monkeypatch):
     """run_all(keep_going=True), as a swarm calls it: one proxy's failure ends neither the swarm nor its other proxies."""
     from prefect import flow
@@ -172,6 +177,65 @@ def test_a_failed_proxy_is_returned_with_its_error_while_the_others_train(tmp_pa
         flow(lambda: flows.ablation.run_all(abl), name="ablation")()
 
 
+SIGNALLED = """
+import os, sys
+from pathlib import Path
+
+from prefect import flow
+
+import flows.ablation
+from flows.swarm import open_swarm
+from infra.launch import run_streaming
+
+out = Path(sys.argv[2])
+SLEEPER = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
+
+
+@flow
+def pipeline(base: str, run_dir: str, overrides: list, until: str | None) -> None:  # a proxy whose trainer runs on
+    name = Path(run_dir).name
+    (out / f"started.{name}").touch()
+    run_streaming([sys.executable, "-c", SLEEPER], dict(os.environ), (out / f"pid.{name}").write_text)
+
+
+flows.ablation.full_pipeline = pipeline
+_, _, abl = open_swarm(sys.argv[1], str(out / "sw"))
+flow(lambda: flows.ablation.run_all(abl, keep_going=True), name="swarm")()
+"""
+
+
+def test_a_signalled_swarm_stops_its_proxies_in_flight_and_starts_no_more(tmp_path, prefect_server):
+    """SIGTERM reaches only the main thread (Prefect raises there); the proxies run in threads beside it. They stop
+    too (their trainers are stopped, not waited for), the queued ones never start, and the process ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.helpers import REPO
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    path = swarm_file(tmp_path, concurrency=2)
+    driver = subprocess.Popen([sys.executable, "-c", SIGNALLED, str(path), str(tmp_path)], env=env, cwd=REPO)
+    deadline = time.time() + 300
+    while len(pids := [int(p.read_text()) for p in tmp_path.glob("pid.*") if p.read_text().strip()]) < 2:
+        assert time.time() < deadline and driver.poll() is None, "two proxies never ran at once"
+        time.sleep(0.2)
+    driver.send_signal(signal.SIGTERM)
+    try:
+        driver.wait(timeout=90)
+    finally:
+        driver.kill()
+    _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
+    assert not alive, "a proxy's trainer outlived the signalled swarm"
+    assert sorted(p.name for p in tmp_path.glob("started.*")) == ["started.p000", "started.p001"], "a queued proxy started"
+
+
+@pytest.mark.slow
 def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds_nothing(tmp_path, prefect_server):
     from flows.swarm import swarm_flow
 
@@ -205,6 +269,8 @@ def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds
     assert all(round(w, 4) == w for w in proposal.values()), "rounded: a recipe takes weights that sum to 1 within 1e-6"
     text = report.read_text()
     assert "## Proposed mixture" in text and (root / "report" / "fit.png").is_file()
+    # cost: each proxy's own mixtures and pretraining steps, the 7 curation steps all share
+    assert "the proxies' own steps" in text and "(8 steps, " in text and "7 steps shared by the proxies" in text
 
     # the validation: the proposal, the prior and the natural mixture at 4x the proxies' tokens, 2 seeds each
     validation = {d.name for d in (root / "validate").iterdir() if (d / "recipe.json").is_file()}

@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,8 @@ class EvalJob:
 
 
 REPLY_GRACE_S = 30  # a child whose reply is not "done" gets this long to exit before it is killed
+ABANDON_POLL_S = 0.5  # how soon a child is stopped once its flow is
+ABANDONED = "abandoned (its flow was stopped; a relaunch scores it)"
 
 
 class EvalWorker:
@@ -250,8 +253,12 @@ class EvalWorker:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def run(self, jobs: list[EvalJob]) -> list[dict[str, Any]]:
+    def run(self, jobs: list[EvalJob], abandoned: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+        """Once ABANDONED says so (the flow is being stopped), no batch is sent and a running child is killed: the
+        jobs fail as abandoned instead of the flow waiting for scores nobody reads before the relaunch."""
         outs = [Path(job.out) for job in jobs]
+        if abandoned is not None and abandoned():
+            return [{"error": ABANDONED} for _ in jobs]
         for out in outs:
             out.unlink(missing_ok=True)
         spec = outs[0].with_name(f"{outs[0].stem}.jobs.json")
@@ -261,10 +268,13 @@ class EvalWorker:
         try:
             proc.stdin.write(f"{spec}\n".encode())
             proc.stdin.flush()
-            answered = select.select([proc.stdout], [], [], self.cfg.timeout_minutes * 60)[0]
+            answered = self._answered(proc, abandoned)
         except BrokenPipeError:
             answered = True  # it died before reading the batch: the read below sees its end
-        if not answered:
+        if not answered and abandoned is not None and abandoned():
+            proc.kill()
+            died = f"{ABANDONED}: evaluating {models} was stopped"
+        elif not answered:
             proc.kill()
             died = f"evaluating {models} took over {self.cfg.timeout_minutes:g} min (evaluation.timeout_minutes): killed"
         elif (reply := proc.stdout.readline()) != b"done\n":
@@ -279,12 +289,25 @@ class EvalWorker:
         missing = {"error": died or "the evaluation child wrote no results"}
         return [json.loads(out.read_text()) if out.is_file() else missing for out in outs]
 
-    def close(self, keep_log: bool = False) -> None:
-        """End the child: it exits at the end of its input (killed if it does not within 30 s)."""
+    def _answered(self, proc: subprocess.Popen, abandoned: Callable[[], bool] | None) -> bool:
+        """Whether the child replied within `timeout_minutes`; False as soon as ABANDONED says so."""
+        deadline = time.monotonic() + self.cfg.timeout_minutes * 60
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([proc.stdout], [], [], min(left, ABANDON_POLL_S))[0]:
+                return True
+            if abandoned is not None and abandoned():
+                return False
+        return False
+
+    def close(self, keep_log: bool = False, now: bool = False) -> None:
+        """End the child: it exits at the end of its input (killed if it does not within 30 s); NOW: killed at once
+        (its caller was interrupted: no batch it works on is waited for)."""
         if self.proc is None:
             return
         proc, self.proc = self.proc, None
         try:
+            if now:
+                raise OSError("interrupted")
             proc.stdin.close()
             proc.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired):

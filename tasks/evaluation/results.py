@@ -69,6 +69,7 @@ class ModelRef:
     step: int | None = None
     tokens: int | None = None
     step_id: str | None = None  # the id of the step that made it: runs sharing a result store tell theirs apart
+    scores_as: str | None = None  # `scoring_key`: equal for folders that score the same (a phase's final, its last checkpoint)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -88,20 +89,38 @@ def fingerprint_listing(files: dict[str, str]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
-_fp_cache: dict[tuple[str, float], str] = {}
+_listing_cache: dict[tuple[str, float], dict[str, str]] = {}
+CARD, CONFIG = "README.md", "config.json"
+UNSCORED_CONFIG = ("use_cache",)  # config keys no score depends on (a checkpoint's hf/ and a final export differ in it)
 
 
-def local_fingerprint(folder: Path) -> str:
-    """Content fingerprint of a local model folder (memoised per folder and modification time).
+def _listing(folder: Path) -> dict[str, str]:
+    """relative path -> MD5 of every file of a local model folder (memoised per folder and modification time).
     A folder renamed mid-listing lists short without an error (pathlib's glob skips what vanished),
     so an empty listing raises FileNotFoundError instead of fingerprinting nothing."""
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     if not files:
         raise FileNotFoundError(f"{folder}: no files (moved, or not a model folder)")
     key = (str(folder.resolve()), max((p.stat().st_mtime for p in files), default=0.0))
-    if key not in _fp_cache:
-        _fp_cache[key] = fingerprint_listing({p.relative_to(folder).as_posix(): file_digest(p, "md5") for p in files})
-    return _fp_cache[key]
+    if key not in _listing_cache:
+        _listing_cache[key] = {p.relative_to(folder).as_posix(): file_digest(p, "md5") for p in files}
+    return _listing_cache[key]
+
+
+def local_fingerprint(folder: Path) -> str:
+    """Content fingerprint of a local model folder: its results' key."""
+    return fingerprint_listing(_listing(folder))
+
+
+def scoring_key(folder: Path) -> str:
+    """What a local model folder's scores depend on: every file but the model card, and the config less the keys
+    no score reads. A phase's final model and its last checkpoint share it: the scores of one are the other's."""
+    listing = _listing(folder)
+    files = {rel: md5 for rel, md5 in listing.items() if rel not in (CARD, CONFIG)}
+    if CONFIG in listing:
+        config = {k: v for k, v in json.loads((folder / CONFIG).read_text()).items() if k not in UNSCORED_CONFIG}
+        files[CONFIG] = hashlib.md5(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    return fingerprint_listing(files)
 
 
 def models_in_run(run_dir: Path, steps: list[Step]) -> list[ModelRef]:
@@ -118,7 +137,7 @@ def models_in_run(run_dir: Path, steps: list[Step]) -> list[ModelRef]:
                     if not ((folder / "hf").is_dir() and is_complete(folder)):
                         continue
                     marker = json.loads((folder / MARKER).read_text())
-                    fingerprint = local_fingerprint(folder / "hf")
+                    fingerprint, scores_as = local_fingerprint(folder / "hf"), scoring_key(folder / "hf")
                 except FileNotFoundError:
                     continue  # its step was committed (renamed) or the checkpoint pruned mid-read: the next scan finds it where it is
                 models.append(
@@ -131,12 +150,16 @@ def models_in_run(run_dir: Path, steps: list[Step]) -> list[ModelRef]:
                         step=marker.get("step"),
                         tokens=marker.get("tokens"),
                         step_id=sid,
+                        scores_as=scores_as,
                     )
                 )
     for step in steps:
         folder = run_dir / step.name / FINAL
         if step.model and (run_dir / step.name / MANIFEST).is_file() and folder.is_dir():
-            models.append(ModelRef(str(folder), local_fingerprint(folder), step.model, "model", step.model, step_id=made_by(folder.parent)))
+            fingerprint, scores_as = local_fingerprint(folder), scoring_key(folder)
+            models.append(
+                ModelRef(str(folder), fingerprint, step.model, "model", step.model, step_id=made_by(folder.parent), scores_as=scores_as)
+            )
     unique = {}
     for m in models:  # a checkpoint seen mid-rename (partial and committed) counts once
         unique.setdefault(m.fingerprint, m)

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.env import cores
+from infra.procs import STOPPING
 from infra.recipe import EvalCfg, S3Cfg
 from infra.storage import Mirror, StorageError, download_folder
 from model.checkpoint import mark_evaluated
-from tasks.evaluation.harness import EvalFailed, EvalJob, EvalWorker, keep_worker, kept_worker, tasks_without_data
-from tasks.evaluation.results import RESULTS, ModelRef, ResultStore, eval_key, main_metric
+from tasks.evaluation.harness import ABANDONED, EvalFailed, EvalJob, EvalWorker, keep_worker, kept_worker, tasks_without_data
+from tasks.evaluation.results import ITEMS, RESULTS, ModelRef, ResultStore, eval_key, main_metric
 
 
 @dataclass
@@ -57,6 +58,8 @@ class Evaluator:
         self.cfg = cfg.model_copy(update={"threads": cores()}) if alone else cfg
         self.store, self.include, self.work_dir, self.log = store, include, Path(work_dir), log
         self.mirror, self.s3, self.key, self.alone = mirror, s3, eval_key(cfg), alone
+        self.abandon: threading.Event | None = None  # `follow`'s: set, nothing new is scored and a running child is stopped
+        self.scored: dict[str, str] = {}  # scoring key -> fingerprint of a model scored under it (its scores are its twins')
         self.work_dir.mkdir(parents=True, exist_ok=True)
         # started at the first batch, ended by run (or kept for the next stage) and follow
         self.worker = kept_worker(include, self.cfg, self.work_dir) if alone else EvalWorker(include, self.cfg, self.work_dir)
@@ -72,19 +75,26 @@ class Evaluator:
 
     def evaluate(self, models: list[ModelRef], summary: EvalSummary) -> set[str]:
         """Score each model on its pending tasks, in one batch of the child; returns the fingerprints of
-        those that failed (or moved away mid-evaluation)."""
+        those that failed (or moved away mid-evaluation). A model that scores as one already scored (a phase's
+        final and its last checkpoint: `scoring_key`) takes that one's scores instead of being scored again."""
         failed: set[str] = set()
+        twins: list[ModelRef] = []  # scoring as a model of this batch: theirs are copied once it is scored
         with ExitStack() as claims:
             batch = []  # (model, its jobs)
+            keys = set()
             for model in models:
                 if not (groups := self.task_groups(model)):
                     summary.cached.append(model.label)
+                    self._scored(model)
+                elif model.scores_as and model.scores_as in keys:
+                    twins.append(model)
                 elif not claims.enter_context(self.store.claim(model.fingerprint)):
                     self.log.info("eval %s: another run is evaluating it, skipping", model.label)
                     summary.busy.append(model.label)
-                elif jobs := self._jobs(model, groups, summary, failed):
+                elif (groups := self._copied(model, groups, summary)) and (jobs := self._jobs(model, groups, summary, failed)):
                     batch.append((model, jobs))
-            results = iter(self.worker.run([job for _, jobs in batch for job in jobs]) if batch else [])
+                    keys.add(model.scores_as)
+            results = iter(self.worker.run([job for _, jobs in batch for job in jobs], self._abandoned) if batch else [])
             for model, jobs in batch:
                 scored = [next(results) for _ in jobs]
                 try:
@@ -96,7 +106,34 @@ class Evaluator:
                     self._failed(model, str(err), summary, failed)
                     continue
                 self._done(model, record, summary)
-        return failed
+        return failed | (self.evaluate(twins, summary) if twins else set())
+
+    def _abandoned(self) -> bool:
+        """A follower stops at once when its flow failed or was stopped, or this process is STOPPING (a signal)."""
+        return self.abandon is not None and (self.abandon.is_set() or STOPPING.is_set())
+
+    def _scored(self, model: ModelRef) -> None:
+        if model.scores_as:
+            self.scored.setdefault(model.scores_as, model.fingerprint)
+
+    def _copied(self, model: ModelRef, groups: list[tuple[list[str], bool]], summary: EvalSummary) -> list[tuple[list[str], bool]]:
+        """Copy into MODEL's record the pending plain (no chat template) tasks a model with its scoring key was
+        scored on under this evaluation's key; returns the groups still pending."""
+        twin = self.scored.get(model.scores_as) if model.scores_as else None
+        record = self.store.get(twin) if twin and twin != model.fingerprint else None
+        have = {t: e for t, e in (record or {"tasks": {}})["tasks"].items() if e.get("key") == self.key}
+        tasks = [t for pending, chat in groups if not chat for t in pending if t in have]
+        if not tasks:
+            return groups
+        metrics = {t: have[t]["metrics"] | ({ITEMS: have[t][ITEMS]} if ITEMS in have[t] else {}) for t in tasks}
+        done = self.store.put(model, metrics, self.key, have[tasks[0]].get("limit"), 0.0)
+        self.log.info(
+            "eval %s: scores as %s (same weights and config): its %d task(s) copied", model.label, record["model"]["label"], len(tasks)
+        )
+        left = [([t for t in pending if t not in tasks], chat) for pending, chat in groups]
+        if not (left := [(pending, chat) for pending, chat in left if pending]):
+            self._done(model, done, summary)
+        return left
 
     def _jobs(self, model: ModelRef, groups: list[tuple[list[str], bool]], summary: EvalSummary, failed: set[str]) -> list[EvalJob]:
         try:
@@ -109,6 +146,9 @@ class Evaluator:
 
     def _failed(self, model: ModelRef, error: str, summary: EvalSummary, failed: set[str]) -> None:
         failed.add(model.fingerprint)
+        if error.startswith(ABANDONED):
+            self.log.info("eval %s: %s", model.label, ABANDONED)
+            return
         if "://" not in model.path and not Path(model.path).exists():
             # its step was committed (renamed) or the checkpoint pruned: the next scan finds it where it is now
             self.log.info("eval %s: moved while being evaluated; it is picked up at its new place", model.label)
@@ -117,6 +157,7 @@ class Evaluator:
         summary.failed[model.label] = error
 
     def _done(self, model: ModelRef, record: dict, summary: EvalSummary) -> None:
+        self._scored(model)
         self._mark_evaluated(model)
         if self.mirror is not None:
             self.mirror.put_file(Path(self.store.root) / f"{model.fingerprint}.json", f"{RESULTS.as_posix()}/{model.fingerprint}.json")
@@ -128,7 +169,7 @@ class Evaluator:
         try:
             self.evaluate(models, summary)
         except BaseException:
-            self.worker.close()
+            self.worker.close(now=True)
             raise
         if self.alone:
             keep_worker(self.worker)
@@ -137,17 +178,26 @@ class Evaluator:
         summary.seconds = time.time() - started
         return summary
 
-    def follow(self, discover: Callable[[], list[ModelRef]], stop: threading.Event, max_failures: int = 2) -> EvalSummary:
+    def follow(
+        self, discover: Callable[[], list[ModelRef]], stop: threading.Event, abandon: threading.Event | None = None, max_failures: int = 2
+    ) -> EvalSummary:
         """Evaluate new checkpoints as `discover` finds them, until `stop` is set and nothing is left that this
         process can score: a model another process is scoring is waited for (one poll at a time, never in a
-        busy loop) while training runs, and left to that process (counted as busy) once `stop` is set."""
+        busy loop) while training runs, and left to that process (counted as busy) once `stop` is set. Once
+        ABANDON is set (the flow failed or is being stopped) nothing new is scored and a running child is killed."""
         summary, started, failures, outage = EvalSummary(), time.time(), {}, 0
+        self.abandon = abandon or threading.Event()
         with self.worker:
-            while True:
+            while not self._abandoned():
                 finishing = stop.is_set()
                 busy = len(summary.busy)
                 try:
-                    todo = [m for m in discover() if self.task_groups(m) and failures.get(m.fingerprint, 0) < max_failures]
+                    todo = []
+                    for m in discover():
+                        if not self.task_groups(m):
+                            self._scored(m)  # scored before (another process, an earlier attempt): a twin to copy from
+                        elif failures.get(m.fingerprint, 0) < max_failures:
+                            todo.append(m)
                     for fingerprint in self.evaluate(todo, summary):
                         failures[fingerprint] = failures.get(fingerprint, 0) + 1
                 except StorageError as err:  # the mirror or the S3 result store: an outage the next round may not see

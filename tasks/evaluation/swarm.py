@@ -163,6 +163,7 @@ def publish(
     fits: list[Fit],
     proposal: dict,
     prior: np.ndarray,
+    bounds: tuple[np.ndarray, np.ndarray],
     validation: list[str] = (),
 ) -> Path:
     """ROOT/report/swarm.md (+ predicted-vs-measured plot, swarm.json, ratios.csv, metrics.csv), also as a Prefect artifact."""
@@ -231,6 +232,11 @@ def publish(
         "A prediction is not a measurement: the validation below trains the proposal beside the prior at a larger scale."
         if validation
         else "A prediction is not a measurement: train the proposal beside the prior at a larger scale before adopting it.",
+        "",
+        f"![response curves]({response_curves(chosen, ev, target, prior, bounds, proposal, out).name})",
+        "",
+        f"Response curves: the {chosen.family} fit's predicted target as one source's weight moves across its bounds, the other "
+        "sources keeping the prior's proportions; the dots are the proxies as measured (their other weights vary too).",
     ]
     markdown = "\n".join([*lines, *([""] if validation else []), *validation]) + "\n"
     path = out / "swarm.md"
@@ -256,6 +262,32 @@ def publish(
     )
     artifact(markdown, out, f"{name}-swarm".replace("_", "-").lower(), "Mixture swarm: proxies, fits and the proposed mixture")
     return path
+
+
+def response(predict: Model, prior: np.ndarray, j: int, span: tuple[float, float], points: int = 60) -> tuple[np.ndarray, np.ndarray]:
+    """Source J's weight across SPAN (kept inside (0, 1)) and PREDICT's target there, the other sources in the prior's proportions."""
+    x = np.linspace(max(span[0], 1e-3), min(span[1], 1 - 1e-3), points)
+    rest = np.delete(prior, j) / np.delete(prior, j).sum()
+    return x, predict(np.insert((1 - x)[:, None] * rest, j, x, axis=1))
+
+
+def response_curves(
+    chosen: Fit, ev: Evidence, target: np.ndarray, prior: np.ndarray, bounds: tuple[np.ndarray, np.ndarray], proposal: dict, out: Path
+) -> Path:
+    """OUT/response.png: per source, the chosen fit's prediction along that source's weight (the rest in the prior's
+    proportions), the proxies' measured targets, the prior and the proposal."""
+    import matplotlib.pyplot as plt
+
+    n = len(ev.sources)
+    fig, axes = plt.subplots(1, n, figsize=(3.0 * n, 3.0), sharey=True, squeeze=False)
+    for j, (source, ax) in enumerate(zip(ev.sources, axes[0], strict=True)):
+        ax.plot(*response(chosen.predict, prior, j, (bounds[0][j], bounds[1][j])), color="C0", label=chosen.family)
+        ax.scatter(ev.mixtures[:, j], target, s=10, color="grey", label="proxies")
+        ax.axvline(prior[j], color="black", linestyle=":", linewidth=0.8, label="prior")
+        ax.axvline(proposal["mixture"][source], color="C3", linestyle="--", linewidth=0.8, label="proposed")
+        ax.set(xlabel=f"{source} weight", ylabel="target" if j == 0 else None)
+    axes[0][0].legend(fontsize=6)
+    return save(fig, out / "response.png")
 
 
 def _number(r: float) -> float | None:
