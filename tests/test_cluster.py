@@ -243,7 +243,7 @@ from pathlib import Path
 from infra import rayjobs
 
 rayjobs.connect(None)
-sleeper = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(600)"
+sleeper = "import os, time; print('sleeper', os.getpid(), flush=True); time.sleep(600)"
 rayjobs.run_task([sys.executable, "-c", sleeper], dict(os.environ), Path(sys.argv[1]), 1, "sleeper", print, 5)
 """
 
@@ -255,10 +255,10 @@ def test_a_trainer_on_ray_dies_with_the_process_that_started_it(ray_head, tmp_pa
     log = tmp_path / "ray.log"
     driver = subprocess.Popen([sys.executable, "-c", RAY_DRIVER, str(log)], cwd=REPO)
     deadline = time.time() + 180
-    while not (log.is_file() and "pid " in log.read_text()):
+    while not (log.is_file() and "sleeper " in log.read_text()):
         assert time.time() < deadline and driver.poll() is None, "the Ray task never started its command"
         time.sleep(0.5)
-    sleeper = psutil.Process(int(log.read_text().split("pid ")[1].split()[0]))
+    sleeper = psutil.Process(int(log.read_text().split("sleeper ")[1].split()[0]))
     assert any(p.cmdline()[:1] and p.cmdline()[0].startswith("ray::") for p in sleeper.parents()), "it runs under a Ray worker"
     driver.kill()
     driver.wait(timeout=30)
