@@ -41,9 +41,11 @@ STOPPING = threading.Event()
 def stop_on_signals() -> None:
     """Set STOPPING on SIGTERM and SIGINT, then run the handler in place before (Prefect's, which raises in the
     main thread). Called at the top of flow bodies: Prefect installs its handler when a flow starts. Only the
-    main thread may install handlers: elsewhere this does nothing."""
+    main thread may install handlers: elsewhere this does nothing. A flow starting in the main thread is no stop
+    in progress, so an earlier one's (a notebook's Ctrl-C) is cleared."""
     if threading.current_thread() is not threading.main_thread():
         return
+    STOPPING.clear()
     for sig in (signal.SIGTERM, signal.SIGINT):
         before = signal.getsignal(sig)
         if getattr(before, "sets_stopping", False):

@@ -197,10 +197,10 @@ FORKER = textwrap.dedent(
 
     lock = acquire(Path(sys.argv[1]))
     if os.fork() == 0:  # a forked child (a pool worker, a fork of the CLI) that outlives its parent
-        print("forked", flush=True)  # past the fork hooks
+        os.write(1, b"forked\\n")  # past the fork hooks; one write each, or an unbuffered print interleaves the two
         time.sleep(120)
         os._exit(0)
-    print("held", flush=True)
+    os.write(1, b"held\\n")
     time.sleep(120)
     """
 )

@@ -109,8 +109,8 @@ class Evaluator:
         return failed | (self.evaluate(twins, summary) if twins else set())
 
     def _abandoned(self) -> bool:
-        """A follower stops at once when its flow failed or was stopped, or this process is STOPPING (a signal)."""
-        return self.abandon is not None and (self.abandon.is_set() or STOPPING.is_set())
+        """Scoring stops at once when this process is STOPPING (a signal), or a follower's flow failed or was stopped."""
+        return STOPPING.is_set() or (self.abandon is not None and self.abandon.is_set())
 
     def _scored(self, model: ModelRef) -> None:
         if model.scores_as:
