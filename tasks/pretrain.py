@@ -193,7 +193,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
         command = launch_command(launcher, "model.train", [str(job_path)], port=free_port())
         log.info("pretrain %s: %s%s", t.phase, " ".join(command), " (a Ray task)" if cfg.launcher.kind == "ray" else "")
         code = (
-            run_ray_task(cfg.launcher, out, command, env, t.phase)
+            run_ray_task(cfg.launcher, out, command, env)
             if cfg.launcher.kind == "ray"
             else run_streaming(command, env, log.info, grace_s=cfg.launcher.stop_grace_s)
         )
@@ -230,7 +230,7 @@ def run_slurm_job(
     return PREEMPTED if end.name in ("TIMEOUT", "PREEMPTED", "NODE_FAIL") else end.exit_code
 
 
-def run_ray_task(launcher: LauncherCfg, out: Path, command: list[str], env: dict[str, str], phase: str) -> int:
+def run_ray_task(launcher: LauncherCfg, out: Path, command: list[str], env: dict[str, str]) -> int:
     """The launch command as a Ray task on the cluster, its output in OUT/ray.log and this task's log; its exit code."""
     rayjobs.connect(launcher.ray_address)
     cpus = launcher.nproc * thread_count(launcher.threads_per_rank)

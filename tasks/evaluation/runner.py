@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.env import cores
+from infra.errors import Stopped
 from infra.procs import STOPPING
 from infra.recipe import EvalCfg, S3Cfg
 from infra.storage import Mirror, StorageError, download_folder
@@ -168,6 +169,8 @@ class Evaluator:
         summary, started = EvalSummary(), time.time()
         try:
             self.evaluate(models, summary)
+            if STOPPING.is_set():  # what it left unscored is a relaunch's: not a finished evaluation
+                raise Stopped("evaluation: this process is stopping; the models not yet scored are left to a relaunch")
         except BaseException:
             self.worker.close(now=True)
             raise
