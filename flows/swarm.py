@@ -27,7 +27,7 @@ from infra.steps import MANIFEST, finished, read_manifest
 from infra.swarm import Draws, Swarm, bounds_of, draw_mixtures, load_swarm, proxy_name, rounded
 from tasks.curation.mixtures import MixtureError, resolve_mixtures
 from tasks.evaluation.compare import AblationRunDir, model_results
-from tasks.evaluation.results import RESULTS, fingerprint_listing, main_metric
+from tasks.evaluation.results import fingerprint_listing, main_metric, run_results
 from tasks.evaluation.swarm import FAMILIES, Evidence, Fit, choose, fit, propose, publish, weighted
 from tasks.pretrain import mixture_phases
 
@@ -281,7 +281,7 @@ def cost(abl: Ablation) -> str:
     seconds = {m: float(json.loads(m.read_text()).get("seconds") or 0) for m in users}
     own = [s for m, s in seconds.items() if users[m] == 1]
     shared = [s for m, s in seconds.items() if users[m] > 1]
-    evals = [float(json.loads(p.read_text()).get("seconds") or 0) for p in (abl.root / RESULTS).glob("*.json")]
+    evals = [float(record.get("seconds") or 0) for record in run_results(abl.root).all()]
     walls = json.loads((abl.root / "ablation.json").read_text()).get("wall_seconds", [])
     return (
         f"Cost: the proxies' own steps {sum(own):,.0f} s ({len(own)} steps, {sum(own) / max(len(abl.runs), 1):,.0f} s a proxy); "
