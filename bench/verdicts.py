@@ -7,8 +7,9 @@ the project's store): the recipe's mixtures, and a planted change (`--planted no
 effect; `math25`: 25% math in phase 1 instead of 10%, a small one), each with `--seeds` seeds (`pretrain.seed`:
 weights and batch order), scored on held-out math bits per byte and arithmetic cloze. From the
 base models' per-item outcomes, judged as `smolflow ablate` judges (tasks/evaluation/stats.py):
-- nulls: every pair of seeds of one variant, the noise floor measured on that variant's other seeds;
-- power: every (recipe, no math) pair of seeds, the floor from the recipe's other seeds;
+- nulls: every pair of seeds of one variant, the noise floor measured on that variant's other seeds, and (a one-seed
+  ablation's floor) on the first seed's own last 4 checkpoints;
+- power: every (recipe, no math) pair of seeds, the floor from the recipe's other seeds, and from its own checkpoints;
 (each run's last checkpoint, the base model's weights)
 - items: on each planted pair, the fewest held-out items (random subsets, doubling) at which the paired interval
   excludes 0, and the same for the unpaired interval;
@@ -23,6 +24,7 @@ import itertools
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,6 +35,7 @@ import yaml  # noqa: E402
 from flows.graph import build_graph  # noqa: E402
 from flows.pipeline import source_recipe  # noqa: E402
 from infra.recipe import load_recipe  # noqa: E402
+from tasks.evaluation.compare import checkpoint_floors  # noqa: E402
 from tasks.evaluation.report import eval_records  # noqa: E402
 from tasks.evaluation.stats import Items, items_of, noise_floor, paired, verdict  # noqa: E402
 
@@ -71,22 +74,33 @@ def ablation_file(folder: Path, seeds: int, scale: float, planted: str) -> Path:
     return path
 
 
-def base_items(run_dir: Path) -> dict[str, Items]:
-    """task -> the item outcomes of the run's pretrained model (its last checkpoint: the base model's weights)."""
+@dataclass
+class Seed:
+    items: dict[str, Items]  # task -> the item outcomes of the run's pretrained model (its last checkpoint)
+    own_floor: dict[str, float | None]  # task -> the noise floor from its own last checkpoints (one-seed ablations)
+
+
+def read_seed(run_dir: Path) -> Seed:
     records = eval_records(run_dir, build_graph(source_recipe(str(run_dir), None)).steps)
     scored = [r for r in records if r["model"]["kind"] == "checkpoint" and all(t in r["tasks"] for t in TASKS)]
     last = max(scored, key=lambda r: r["model"]["tokens"])
-    return {task: items_of(last["tasks"][task].get("items")) for task in TASKS}
+    floors = {task: f for (_, task, _), f in checkpoint_floors(records, ["base"]).items()}
+    return Seed({task: items_of(last["tasks"][task].get("items")) for task in TASKS}, {task: floors.get(task) for task in TASKS})
 
 
 def score(items: Items) -> float:
     return sum(n for n, _ in items.values()) / sum(d for _, d in items.values())
 
 
-def judge(base: Items, other: Items, floor_from: list[Items], lower: bool) -> str:
-    """One seed against one seed, as an ablation with one seed per variant would judge, the floor from other seeds."""
+def judge(base: Items, other: Items, floor: float | None, lower: bool) -> str:
+    """One seed against one seed, as an ablation with one seed per variant would judge, over FLOOR."""
     p = paired([base], [other])
-    return verdict(p.diff, p.ci95, noise_floor([score(i) for i in floor_from], 1, 1), lower)
+    return verdict(p.diff, p.ci95, floor, lower)
+
+
+def seeds_floor(floor_from: list[Items]) -> float | None:
+    """The floor that other seeds of the baseline measure."""
+    return noise_floor([score(i) for i in floor_from], 1, 1)
 
 
 def fewest_items(base: Items, other: Items, which: str, rng: np.random.Generator) -> int | None:
@@ -120,30 +134,42 @@ def main() -> None:
     started = time.time()
     subprocess.run([str(Path(sys.executable).parent / "smolflow"), "ablate", str(path), "--run-dir", str(root)], check=True, cwd=REPO)
     seconds = time.time() - started
-    runs = {v: [base_items(root / (f"{v}-seed{s}" if args.seeds > 1 else v)) for s in range(args.seeds)] for v in variants}
+    seeds = {v: [read_seed(root / (f"{v}-seed{s}" if args.seeds > 1 else v)) for s in range(args.seeds)] for v in variants}
+    runs = {v: [seed.items for seed in seeds[v]] for v in variants}
     rng = np.random.default_rng(0)
+    expected = "worse" if args.planted == "no_math" else "better"  # on math: less math is worse, more is better
     print(f"ablation: 2 variants x {args.seeds} seeds at {args.scale:g} of the tiny recipe's tokens, {seconds:,.0f} s on this machine")
-    print(f"{'task':22}{'null verdicts':>18}{'planted found':>16}{'items: paired':>16}{'unpaired':>10}")
+    print(f"{'task':22}{'floor from':>20}{'null verdicts':>16}{'planted found':>16}{'items: paired':>16}{'unpaired':>10}")
     for task, lower in TASKS.items():
-        nulls = []
-        for v in variants:
-            for a, b in itertools.combinations(range(args.seeds), 2):
-                others = [runs[v][s][task] for s in range(args.seeds) if s not in (a, b)]
-                nulls.append(judge(runs[v][a][task], runs[v][b][task], others, lower))
-        false = sum(v.split(" ")[0] in ("better", "worse") for v in nulls)
-        planted = []
-        for a, b in itertools.product(range(args.seeds), repeat=2):
-            others = [runs[variants[0]][s][task] for s in range(args.seeds) if s != a]
-            planted.append(judge(runs[variants[0]][a][task], runs[variants[1]][b][task], others, lower))
-        expected = "worse" if args.planted == "no_math" else "better"  # on math: less math is worse, more is better
-        found = sum(v.startswith(expected) for v in planted)
-        pairs = [(runs[variants[0]][s][task], runs[variants[1]][s][task]) for s in range(args.seeds)]
-        need = {w: [fewest_items(a, b, w, rng) for a, b in pairs] for w in ("paired", "unpaired")}
-        median = {w: (f"{int(np.median([n for n in ns if n]))}" if any(ns) else "never") for w, ns in need.items()}
-        print(
-            f"{task:22}{f'{false}/{len(nulls)} ({false / len(nulls):.0%})':>18}{f'{found}/{len(planted)} ({found / len(planted):.0%})':>16}"
-            f"{median['paired']:>16}{median['unpaired']:>10}"
-        )
+        for floor_from in ("other seeds", "last 4 checkpoints"):
+            nulls = []
+            for v in variants:
+                for a, b in itertools.combinations(range(args.seeds), 2):
+                    others = [runs[v][s][task] for s in range(args.seeds) if s not in (a, b)]
+                    floor = seeds_floor(others) if floor_from == "other seeds" else seeds[v][a].own_floor[task]
+                    nulls.append(judge(runs[v][a][task], runs[v][b][task], floor, lower))
+            false = sum(v.split(" ")[0] in ("better", "worse") for v in nulls)
+            planted = []
+            for a, b in itertools.product(range(args.seeds), repeat=2):
+                others = [runs[variants[0]][s][task] for s in range(args.seeds) if s != a]
+                floor = seeds_floor(others) if floor_from == "other seeds" else seeds[variants[0]][a].own_floor[task]
+                planted.append(judge(runs[variants[0]][a][task], runs[variants[1]][b][task], floor, lower))
+            found = sum(v.startswith(expected) for v in planted)
+            items = ""
+            if floor_from == "other seeds":
+                pairs = [(runs[variants[0]][s][task], runs[variants[1]][s][task]) for s in range(args.seeds)]
+                need = {w: [fewest_items(a, b, w, rng) for a, b in pairs] for w in ("paired", "unpaired")}
+                median = {w: (f"{int(np.median([n for n in ns if n]))}" if any(ns) else "never") for w, ns in need.items()}
+                items = f"{median['paired']:>16}{median['unpaired']:>10}"
+            print(
+                f"{task:22}{floor_from:>20}{f'{false}/{len(nulls)} ({false / len(nulls):.0%})':>16}"
+                f"{f'{found}/{len(planted)} ({found / len(planted):.0%})':>16}{items}"
+            )
+    own = {t: [f for v in variants for seed in seeds[v] if (f := seed.own_floor[t]) is not None] for t in TASKS}
+    print(
+        "one seed's floor from its last 4 checkpoints, median over runs: "
+        + ", ".join(f"{t} {np.median(f):.4f}" for t, f in own.items() if f)
+    )
     n = args.seeds
     for task, lower in TASKS.items():  # the ablation itself: every seed of each variant, as `smolflow ablate` judges it
         p = paired([r[task] for r in runs[variants[0]]], [r[task] for r in runs[variants[1]]])

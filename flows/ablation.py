@@ -28,6 +28,7 @@ from infra.procs import STOPPING, stop_on_signals
 from infra.recipe import Recipe
 from infra.steps import STEPS, Step, plan_ids, statuses
 from infra.storage import Mirror, write_json_atomic
+from tasks.evaluation.audit import NOISE_WINDOW
 from tasks.evaluation.compare import AblationRunDir, publish_comparison
 from tasks.evaluation.results import RESULTS
 
@@ -98,7 +99,7 @@ def explain(ablation: Ablation) -> list[str]:
     """The runs and their overrides, what each would do with each step (`plan_table`), and the noise floor."""
     lines = [
         f"ablation {ablation.cfg.name}: {len(ablation.runs)} runs of {ablation.base} in {ablation.root}, "
-        f"stages {', '.join(stages_of(ablation))} + evaluate",
+        f"stages {', '.join(dict.fromkeys([*stages_of(ablation), 'evaluate']))}",
         *(f"  {r.name}: {' '.join(r.overrides) or '(the base recipe)'}" for r in ablation.runs),
         "",
     ]
@@ -153,13 +154,21 @@ def _noise_floor(ablation: Ablation, per_run, users) -> str:
     base = [(run, steps, ids) for run, steps, ids, _ in per_run if run.variant == ablation.baseline]
     per_seed = {step.name for run, steps, ids in base for step in steps if len(users[(step.name, ids[step.name])]) == 1}
     if len(base) < 2:
+        run, steps, _ = base[0]
+        scored = run.recipe.evaluation.checkpoint_tasks and any(s.checkpoints for s in steps)
+        how = (
+            f"for the pretrained model's tasks, the spread of its last {NOISE_WINDOW} checkpoints' scores (no extra cost; it misses "
+            "what another initialisation moves a score by); for other models none, and their verdicts will say so"
+            if scored
+            else "none: verdicts will say so"
+        )
         return (
-            f"Noise floor: not measured (one seed of {ablation.baseline}): verdicts will say so; `seeds: 2` measures it "
-            f"at the cost of another run of each variant's own steps."
+            f"Noise floor: one seed of {ablation.baseline}: {how}; `seeds: 2` measures it from seeds at the cost of another "
+            f"run of each variant's own steps."
         )
     return (
-        f"Noise floor: measured from {ablation.baseline}'s {len(base)} seeds (varying {ablation.cfg.seed_key}); their own steps, "
-        f"built per seed: {', '.join(sorted(per_seed)) or 'none'}."
+        f"Noise floor: measured from {ablation.baseline}'s {len(base)} seeds (varying {', '.join(ablation.cfg.seed_keys)}); "
+        f"their own steps, built per seed: {', '.join(sorted(per_seed)) or 'none'}."
     )
 
 

@@ -7,7 +7,7 @@ An ablation file is small YAML:
     set: []                       # overrides every variant shares (a proxy scale-down)
     until: apo                    # the last stage the variants need (then evaluate)
     seeds: 3                      # runs per variant, `seed_key` = its value + 0, 1, 2
-    seed_key: postrain.apo.seed
+    seed_key: postrain.apo.seed   # or a list, varied together: [pretrain.seed, postrain.sft.seed, ...]
     variants:
       - {name: apo, set: ["postrain.apo.loss_type=[apo_zero, sft]"]}
       - {name: dpo, set: ["postrain.apo.loss_type=[sigmoid, sft]"]}
@@ -40,10 +40,14 @@ class AblationCfg(Strict):
     base: str = Field(description="the base recipe, relative to the ablation file")
     description: str = ""
     set: list[str] = Field([], description="overrides all variants share, applied before each variant's own")
-    variants: list[VariantCfg] = Field(min_length=2)
+    variants: list[VariantCfg] = Field(min_length=1, description="two or more; one alone with `seeds` >= 2 (a seed study)")
     baseline: str | None = Field(None, description="the variant the others are compared with; default: the first")
     seeds: int = Field(1, ge=1, le=20)
-    seed_key: str = Field("seed", description="the integer recipe key the seeds vary")
+    seed_key: str | list[str] = Field(
+        "seed",
+        description="the integer recipe key the seeds vary, or a list of them, varied together (each its own value + k): "
+        "the trainers' seeds give other models on the same curation, where `seed` rebuilds the corpus too",
+    )
     until: str | None = Field(None, description="the last stage the variants run (evaluation follows); default: all")
     concurrency: int = operational(1, ge=1, description="runs at once (they share the machine's cores)")
     run_dir: str | None = Field(None, description="default: runs/ablations/NAME")
@@ -53,9 +57,15 @@ class AblationCfg(Strict):
         names = [v.name for v in self.variants]
         if len(set(names)) != len(names):
             raise ValueError(f"variant names repeat: {names}")
+        if len(names) == 1 and self.seeds < 2:
+            raise ValueError("one variant compares nothing: add a variant, or `seeds: 2` or more for a seed study")
         if self.baseline is not None and self.baseline not in names:
             raise ValueError(f"baseline {self.baseline!r} is not a variant ({', '.join(names)})")
         return self
+
+    @property
+    def seed_keys(self) -> list[str]:
+        return [self.seed_key] if isinstance(self.seed_key, str) else self.seed_key
 
 
 @dataclass(frozen=True)
@@ -64,7 +74,7 @@ class AblationRun:
 
     name: str  # the run dir's name: the variant, or VARIANT-seedK
     variant: str
-    seed: int  # the value of seed_key
+    seed: int  # the value of (the first) seed_key
     overrides: tuple[str, ...]  # applied to the base recipe, in order
     recipe: Recipe
 
@@ -112,7 +122,7 @@ def load_ablation(path: str | Path, run_dir: str | None = None) -> Ablation:
 def resolve_ablation(cfg: AblationCfg, path: Path, root: Path) -> Ablation:
     """Every run's recipe: the base (relative to PATH) with the shared, then the variant's, then the seed's overrides."""
     base, shared = shared_recipe(path, cfg.base, cfg.set)
-    first = _seed_value(shared, cfg.seed_key, path)
+    firsts = [_seed_value(shared, key, path) for key in cfg.seed_keys]
     runs = []
     for variant in cfg.variants:
         for assignment in variant.set:
@@ -122,14 +132,14 @@ def resolve_ablation(cfg: AblationCfg, path: Path, root: Path) -> Ablation:
                     "(put evaluation changes in the ablation's `set`)"
                 )
         for k in range(cfg.seeds):
-            seed = first + k
-            overrides = (*cfg.set, *variant.set, *([f"{cfg.seed_key}={seed}"] if cfg.seeds > 1 else []))
+            seeds = [f"{key}={first + k}" for key, first in zip(cfg.seed_keys, firsts)] if cfg.seeds > 1 else []
+            overrides = (*cfg.set, *variant.set, *seeds)
             try:
                 recipe = load_recipe(base, list(overrides))
             except RecipeError as err:
                 raise RecipeError(f"{path}: variant {variant.name}: {err}") from None
             name = variant.name if cfg.seeds == 1 else f"{variant.name}-seed{k}"
-            runs.append(AblationRun(name, variant.name, seed, overrides, recipe))
+            runs.append(AblationRun(name, variant.name, firsts[0] + k, overrides, recipe))
     return Ablation(cfg, path, base, root, runs)
 
 

@@ -76,6 +76,53 @@ def test_dry_run_shows_what_is_shared_and_what_each_seed_builds(tmp_path):
     assert explain(abl)[-1] == floor
 
 
+def test_a_seed_study_varies_every_trainer_seed_together_and_shares_curation(tmp_path):
+    """The ladder study (configs/ablations/ladder_seeds.yaml): one variant, seeds on a list of keys, each its own
+    value + k; curation is shared because `seed`, which builds the corpus, is not among them."""
+    from flows.ablation import explain, open_ablation
+
+    keys = ["pretrain.seed", "postrain.sft.seed", "postrain.apo.seed"]
+    abl = open_ablation(str(ablation_file(tmp_path, [{"name": "tiny"}], seeds=2, seed_key=keys, until="apo")), str(tmp_path / "a"))
+    assert [r.name for r in abl.runs] == ["tiny-seed0", "tiny-seed1"]
+    assert abl.runs[1].overrides == ("pretrain.seed=1235", "postrain.sft.seed=1235", "postrain.apo.seed=1235")
+    assert [abl.runs[1].recipe.postrain.sft.seed, abl.runs[1].recipe.pretrain.seed] == [1235, 1235]
+    table = {line.split()[0]: line.split()[1:] for line in explain(abl) if line.split()}
+    assert table["tokenize"] == ["build*", "shared*"] and table["chat_data"] == ["build*", "shared*"]
+    assert table["pretrain_phase1"] == ["build", "build"] and table["sft"] == ["build", "build"]
+    one = ablation_file(tmp_path, [{"name": "tiny"}], "one.yaml")
+    with pytest.raises(RecipeError, match=r"one variant compares nothing: add a variant, or `seeds: 2`"):
+        open_ablation(str(one))
+    typo = ablation_file(tmp_path, [{"name": "tiny"}], "typo.yaml", seeds=2, seed_key=["pretrain.seed", "postrain.sft.sead"])
+    with pytest.raises(RecipeError, match=r"seed_key postrain\.sft\.sead: the recipe has no such key"):
+        open_ablation(str(typo))
+
+
+def test_the_ladder_holds_only_where_a_rung_climbs_beyond_noise_in_every_run(tmp_path):
+    from infra.summaries import HeldoutEval, outcomes
+    from tasks.evaluation.compare import ladder_by_run
+
+    def rung(right: int, tokens: float) -> HeldoutEval:  # the first RIGHT of 200 prompts answered right
+        kept = outcomes([f"p{i}" for i in range(200)], [float(i < right) for i in range(200)])
+        return HeldoutEval(
+            items=200, accuracy=right / 200, mean_answer_tokens=tokens, answered=1.0, by_family={}, examples=[], outcomes=kept
+        )
+
+    ladders = {
+        "seed0": [("base", rung(0, 40)), ("sft", rung(120, 20)), ("apo", rung(150, 18))],
+        "seed1": [("base", rung(0, 40)), ("sft", rung(110, 21)), ("apo", rung(112, 25))],  # APO: +2 of 200, longer
+    }
+    lines, rows = ladder_by_run(ladders)
+    assert [(r["rung"], r["up_in_every_run"], r["not_longer_in_every_run"]) for r in rows] == [
+        ("sft over base", True, True),
+        ("apo over sft", False, False),
+    ]
+    assert "+1.0%: within noise" in rows[1]["runs"]["seed1"] and "+15.0%: up" in rows[1]["runs"]["seed0"]
+    assert "| no (1 of 2) | no |" in lines[3]
+    assert lines[-1] == "**Holds in every run:** sft over base. **Does not:** apo over sft."
+    partial = ladder_by_run({**ladders, "seed2": ladders["seed0"][:2]})[1]  # seed2's APO not trained yet: nothing holds yet
+    assert partial[1]["runs"]["seed2"] == "not trained yet" and not partial[1]["up_in_every_run"]
+
+
 def test_an_ablation_of_a_recipe_with_a_project_store_finds_what_a_plain_run_built(tmp_path):
     """`storage.store`: the demo and the ablations of its recipe share one store, so the dry run says `cached`
     for the steps the demo built (built here with stand-in functions, identities as in a real run)."""
@@ -96,7 +143,7 @@ def test_an_ablation_of_a_recipe_with_a_project_store_finds_what_a_plain_run_bui
     table = {line.split()[0]: line.split()[1:] for line in lines if line.split()}
     assert table["tokenize"] == ["cached*", "cached*"] and table["pretrain_long_context"] == ["cached*", "cached*"]
     assert table["sft"] == ["build", "build"] and any(f"cached in {tmp_path / 'steps'}" in line for line in lines)
-    assert lines[-1].startswith("Noise floor: not measured (one seed of slow)")
+    assert lines[-1].startswith("Noise floor: one seed of slow: for the pretrained model's tasks, the spread of its last 4 checkpoints")
 
 
 # two SFT learning rates: curation, pretraining and the chat data are shared, SFT is built per variant
@@ -192,6 +239,31 @@ def test_scores_are_averaged_over_seeds_and_without_items_compared_by_their_stan
     assert verdict == "better (no noise floor: one baseline seed)"  # lower bits per byte is better; one seed measures no floor
     judged = judge_only_usable(compare_rows([row, ppl], ["a", "b"], "a"), {"smol_ppl_code"})  # as with evaluation.select: auto
     assert [e.get("verdict") for e in judged] == [None, "better", None, "not judged: no signal at this scale"]
+
+
+def test_one_seed_takes_its_noise_floor_from_its_last_checkpoints_for_the_pretrained_model_only():
+    import numpy as np
+
+    from tasks.evaluation.compare import Row, Score, checkpoint_floors, compare_rows
+
+    records = [  # the baseline's checkpoints: arithmetic cloze climbs, then jitters by ~0.015 over the last four
+        {"model": {"kind": "checkpoint", "tokens": 100 * (i + 1)}, "tasks": {"smol_arithmetic_cf": {"metrics": {"acc": acc}}}}
+        for i, acc in enumerate([0.30, 0.40, 0.50, 0.52, 0.49, 0.51])
+    ]
+    floors = checkpoint_floors(records, ["base"])
+    jitter = float(np.std([0.50, 0.52, 0.49, 0.51], ddof=1))
+    assert floors == {("base", "smol_arithmetic_cf", "acc"): pytest.approx(3.1824 * jitter * 2**0.5, abs=1e-4)}  # t(0.975, 3)
+    assert checkpoint_floors(records[:3], ["base"]) == {}, "fewer than 4 checkpoints measure nothing"
+    rows = []
+    for model in ("base", "sft"):  # +0.05 with a tight interval: beyond 0, but not beyond the last checkpoints' jitter
+        row = Row(model, "smol_arithmetic_cf", "acc")
+        row.scores["a"].append(Score(0.51, 0.005))
+        row.scores["b"].append(Score(0.56, 0.005))
+        rows.append(row)
+    base, sft = [e for e in compare_rows(rows, ["a", "b"], "a", floors) if e["variant"] == "b"]
+    assert base["verdict"] == "below the noise floor" and base["floor_from"] == "last 4 checkpoints"
+    assert sft["verdict"] == "better (no noise floor: one baseline seed)" and "floor_from" not in sft  # not a pretrained model
+    assert compare_rows(rows, ["a", "b"], "a")[1]["verdict"] == "better (no noise floor: one baseline seed)"
 
 
 def _right_or_wrong(correct) -> dict:

@@ -26,11 +26,11 @@ from typing import Any
 
 from infra.steps import Step, StepOutput, finished
 from infra.storage import write_json_atomic
-from infra.summaries import PhaseSummary, TrainedSummary
+from infra.summaries import HeldoutEval, PhaseSummary, TrainedSummary
 from tasks.common import run_logger
-from tasks.evaluation.audit import NO_SIGNAL, audit, audit_table
+from tasks.evaluation.audit import NO_SIGNAL, NOISE_WINDOW, audit, audit_table, series
 from tasks.evaluation.plots import artifact, save
-from tasks.evaluation.report import eval_records, step_metrics
+from tasks.evaluation.report import eval_records, ladder, rung_change, step_metrics
 from tasks.evaluation.results import local_fingerprint, main_metric, run_results, stderr_of
 from tasks.evaluation.stats import Items, items_of, noise_floor, paired, verdict
 
@@ -129,14 +129,32 @@ def _binomial_stderr(p: float, n: int) -> float:
     return (high - low) / (2 * 1.959964)
 
 
-def compare_rows(rows: list[Row], variants: list[str], baseline: str) -> list[dict[str, Any]]:
-    """One table row per (metric, variant): mean, SE, seeds, difference from the baseline with its 95% interval."""
+def checkpoint_floors(records: list[dict], pretrained: list[str]) -> dict[tuple[str, str, str], float]:
+    """A baseline with one seed: (model, task, metric) -> a noise floor from the spread of its last NOISE_WINDOW
+    checkpoints' scores, each taken as a seed would be (stats.noise_floor), for the PRETRAINED models' rows. It costs
+    nothing more, but sees only what the last steps jitter a score by, not what another initialisation moves it by."""
+    out = {}
+    for (task, metric), by_tokens in series(records).items():
+        last = [by_tokens[t] for t in sorted(by_tokens)[-NOISE_WINDOW:]]
+        if len(last) == NOISE_WINDOW and (floor := noise_floor(last, 1, 1)):
+            out |= {(model, task, metric): floor for model in pretrained}
+    return out
+
+
+def compare_rows(
+    rows: list[Row], variants: list[str], baseline: str, one_seed_floors: dict[tuple[str, str, str], float] | None = None
+) -> list[dict[str, Any]]:
+    """One table row per (metric, variant): mean, SE, seeds, difference from the baseline with its 95% interval.
+    The noise floor comes from the baseline's seeds; with one seed, from ONE_SEED_FLOORS (checkpoint_floors) where given."""
     table = []
     for row in rows:
         base_mean, base_se = row.summary(baseline)
         lower = row.metric in LOWER_IS_BETTER
         for variant in variants:
             floor = noise_floor([s.value for s in row.scores[baseline]], len(row.scores[baseline]), len(row.scores[variant]))
+            floor_from = "seeds"
+            if floor is None and (floor := (one_seed_floors or {}).get((row.model, row.task, row.metric))) is not None:
+                floor_from = f"last {NOISE_WINDOW} checkpoints"
             mean, se = row.summary(variant)
             entry = {
                 "model": row.model,
@@ -148,6 +166,8 @@ def compare_rows(rows: list[Row], variants: list[str], baseline: str) -> list[di
                 "stderr": None if se is None else round(se, 4),
                 "seeds_only": all(s.stderr is None for s in row.scores[variant]),  # no item-sampling error known
             }
+            if floor is not None:
+                entry |= {"noise_floor": round(floor, 4), "floor_from": floor_from}
             if variant != baseline:
                 entry |= _difference(row, baseline, variant, mean - base_mean, se, base_se, floor, lower)
             table.append(entry)
@@ -157,7 +177,7 @@ def compare_rows(rows: list[Row], variants: list[str], baseline: str) -> list[di
 def _difference(row: Row, baseline: str, variant: str, diff: float, se, base_se, floor: float | None, lower: bool) -> dict[str, Any]:
     """Paired over items where every seed of both kept its items; else from the two standard errors."""
     runs = [[s.items for s in row.scores[v]] for v in (baseline, variant)]
-    out: dict[str, Any] = {"diff": round(diff, 4), "noise_floor": None if floor is None else round(floor, 4)}
+    out: dict[str, Any] = {"diff": round(diff, 4)}
     if all(all(r) for r in runs) and (p := paired(*runs)):
         out |= {"diff": round(p.diff, 4), "ci95": [round(x, 4) for x in p.ci95], "unpaired_ci95": [round(x, 4) for x in p.unpaired_ci95]}
         out |= {"method": f"paired, {p.items} items", "mde": round(p.mde, 4)}
@@ -230,8 +250,12 @@ def publish_comparison(
     out.mkdir(parents=True, exist_ok=True)
     variants = list(dict.fromkeys(r.variant for r in runs))
     rows, identical = _rows(runs)
-    table = compare_rows(rows, variants, baseline)
-    audits = audit([eval_records(r.run_dir, r.steps) for r in runs])
+    records = {r.name: eval_records(r.run_dir, r.steps) for r in runs}
+    base_runs = [r for r in runs if r.variant == baseline]
+    pretrained = [s.model for s in runs[0].steps if s.checkpoints and s.model]
+    floors = checkpoint_floors(records[base_runs[0].name], pretrained) if len(base_runs) == 1 else None
+    table = compare_rows(rows, variants, baseline, floors)
+    audits = audit(list(records.values()))
     silent = {a.task for a in audits if a.verdict == NO_SIGNAL}
     if select == "auto":
         table = judge_only_usable(table, silent)
@@ -271,7 +295,13 @@ def publish_comparison(
         lines += [
             "",
             "Paired: over the items both variants answered (bootstrap; McNemar's p for right/wrong items; the smallest "
-            "difference it detects 80% of the time in brackets). Noise floor: what the baseline's seeds alone exceed 5% of the time.",
+            "difference it detects 80% of the time in brackets). Noise floor: what the baseline's seeds alone exceed 5% of the time"
+            + (
+                f"; with one seed, what its last {NOISE_WINDOW} checkpoints' scores would, each taken as a seed (‡): that misses what "
+                "another initialisation moves a score by, so `seeds: 2` or more is the surer floor."
+                if floors
+                else "."
+            ),
         ]
         if any(e["seeds_only"] and e["stderr"] is not None for e in table):
             lines += ["", "† spread over seeds only: lm-eval gives no standard error for this metric, so item sampling is not in it."]
@@ -299,6 +329,13 @@ def publish_comparison(
         lines += [f"Left out of the verdicts (`evaluation.select: auto`): {', '.join(sorted(silent)) or 'none'}.", ""]
     elif silent:
         lines += [f"Judged although they show no signal at this scale (`evaluation.select: all`): {', '.join(sorted(silent))}.", ""]
+
+    ladders = _ladders(runs, done)
+    ladder_rows = []
+    if ladders:
+        ladder_lines, ladder_rows = ladder_by_run(ladders)
+        lines += ["## The post-training ladder in every run", "", *ladder_lines, ""]
+        lines += [f"![ladders]({save(_ladder_plot(ladders, plt), out / 'ladders.png').name})", ""]
 
     # training curves of the steps that differ
     curves = [s for s in differ if _curves(runs[0], s, done[runs[0].name].get(s.name))[1]]
@@ -338,6 +375,7 @@ def publish_comparison(
         out / "ablation.json",
         {
             "rows": table,
+            "ladder": ladder_rows,
             "audit": [a.row() for a in audits],
             "shared": shared,
             "differ": {s.name: versions[s.name] for s in differ},  # step -> its versions across the runs
@@ -349,6 +387,75 @@ def publish_comparison(
     _artifacts(name, markdown, out, table)
     run_logger().info("ablation report: %s", path.resolve())
     return path
+
+
+Ladder = list[tuple[str, HeldoutEval]]  # (model label, held-out eval) from the base model up
+
+
+def _ladders(runs: list[AblationRunDir], done: Done) -> dict[str, Ladder]:
+    """run name -> its post-training ladder, for the runs that post-trained."""
+    out = {}
+    for run in runs:
+        rungs = ladder([(s.model, o) for s in run.steps if s.model and (o := done[run.name].get(s.name))])
+        if len(rungs) > 1:
+            out[run.name] = rungs
+    return out
+
+
+def ladder_by_run(ladders: dict[str, Ladder]) -> tuple[list[str], list[dict[str, Any]]]:
+    """Each rung against the one below it in every run: held-out accuracy (paired over the same prompts, McNemar)
+    and answer length. A rung holds when it is up beyond the prompts' sampling noise in every run: one model's
+    climb, as on the machine a recipe was tuned on, says nothing of another's."""
+    names = [n for n, _ in max(ladders.values(), key=len)]
+    lines = [
+        "| rung | " + " | ".join(ladders) + " | up in every run | answers not longer in every run |",
+        "|---|" + "---|" * (len(ladders) + 2),
+    ]
+    rows = []
+    for i in range(1, len(names)):
+        cells, ups, shorter = {}, [], []
+        for run, rungs in ladders.items():
+            if len(rungs) <= i:
+                cells[run] = "not trained yet"
+                ups.append(False)
+                continue
+            below, e = rungs[i - 1][1], rungs[i][1]
+            p, said = rung_change(below, e) or (None, "no outcomes kept")
+            diff = p.diff if p else e.accuracy - below.accuracy
+            cells[run] = (
+                f"{below.accuracy:.1%} → {e.accuracy:.1%} ({diff:+.1%}: {said}); {below.mean_answer_tokens:.1f} → "
+                f"{e.mean_answer_tokens:.1f} tokens"
+            )
+            ups.append(said == "up")
+            shorter.append(e.mean_answer_tokens <= below.mean_answer_tokens)
+        rung = f"{names[i]} over {names[i - 1]}"
+        holds, brief = all(ups), all(shorter) and len(shorter) == len(ladders)
+        rows.append({"rung": rung, "runs": cells, "up_in_every_run": holds, "not_longer_in_every_run": brief})
+        lines.append(
+            f"| {rung} | "
+            + " | ".join(cells.values())
+            + f" | {'yes' if holds else f'no ({sum(ups)} of {len(ups)})'} | {'yes' if brief else 'no'} |"
+        )
+    held = [r["rung"] for r in rows if r["up_in_every_run"]]
+    not_held = [r["rung"] for r in rows if not r["up_in_every_run"]]
+    lines += [
+        "",
+        "Each cell: held-out accuracy below → this rung (the paired difference over the same prompts and its verdict: 95% "
+        "bootstrap interval and McNemar's test), then mean answer tokens.",
+        "",
+        f"**Holds in every run:** {', '.join(held) or 'no rung'}. **Does not:** {', '.join(not_held) or 'none'}.",
+    ]
+    return lines, rows
+
+
+def _ladder_plot(ladders: dict[str, Ladder], plt) -> Any:
+    """Held-out accuracy per rung, one line per run."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for run, rungs in ladders.items():
+        ax.plot([n for n, _ in rungs], [e.accuracy for _, e in rungs], marker="o", label=run)
+    ax.set(title="Post-training ladder per run", ylabel="held-out accuracy")
+    ax.legend(fontsize=7)
+    return fig
 
 
 def _wall(seconds: list[float]) -> str:
@@ -366,13 +473,15 @@ def judge_only_usable(table: list[dict[str, Any]], silent: set[str]) -> list[dic
 def _diff_cells(e: dict[str, Any]) -> str:
     """The difference with its interval (and how it was taken), the unpaired interval, the noise floor."""
     if "diff" not in e:
-        return "baseline | | "
+        floor = f"{e['noise_floor']:.4f}{' ‡' if e['floor_from'] != 'seeds' else ''}" if e.get("noise_floor") is not None else ""
+        return f"baseline | | {floor}"
     ci = f" [{e['ci95'][0]:+.4f}, {e['ci95'][1]:+.4f}]" if "ci95" in e else ""
     how = f", {e['method']}" if "method" in e else ""
     how += f", McNemar p={e['mcnemar_p']:.3g}" if e.get("mcnemar_p") is not None else ""
     how += f" (detects ±{e['mde']:.4f})" if e.get("mde") else ""
     unpaired = f"[{e['unpaired_ci95'][0]:+.4f}, {e['unpaired_ci95'][1]:+.4f}]" if "unpaired_ci95" in e else ""
     floor = f"{e['noise_floor']:.4f}" if e.get("noise_floor") is not None else "one seed"
+    floor += " ‡" if e.get("floor_from", "seeds") != "seeds" else ""
     return f"{e['diff']:+.4f}{ci}{how} | {unpaired} | {floor}"
 
 

@@ -21,7 +21,7 @@ from postrain.data import sign_slips_note
 from tasks.evaluation.audit import BEYOND, audit, audit_table
 from tasks.evaluation.plots import save
 from tasks.evaluation.results import RESULTS, made_by, main_metric, stderr_of
-from tasks.evaluation.stats import items_of, paired, verdict
+from tasks.evaluation.stats import Paired, items_of, paired, verdict
 
 
 @dataclass
@@ -250,15 +250,24 @@ def ladder_table(rungs: list[tuple[str, HeldoutEval]], generative: dict[str, flo
     return rows
 
 
-def rung_step(below: HeldoutEval | None, e: HeldoutEval) -> str:
-    """A rung's change from the one below it, with how sure it is; blank where either kept no outcomes."""
+def rung_change(below: HeldoutEval | None, e: HeldoutEval) -> tuple[Paired, str] | None:
+    """A rung's accuracy change from the one below it over the same held-out prompts, and its verdict (up, down,
+    within noise); None where either kept no outcomes."""
     if below is None or not (below.outcomes and e.outcomes):
-        return ""
+        return None
     p = paired([items_of(below.outcomes)], [items_of(e.outcomes)])
     if p is None:
-        return ""
+        return None
     said = verdict(p.diff, p.ci95, None, lower_is_better=False).replace("better", "up").replace("worse", "down")
-    return f"{p.diff:+.1%} [{p.ci95[0]:+.1%}, {p.ci95[1]:+.1%}], McNemar p={p.mcnemar_p:.2g}: {said.split(' (')[0]}"
+    return p, said.split(" (")[0]
+
+
+def rung_step(below: HeldoutEval | None, e: HeldoutEval) -> str:
+    """A rung's change from the one below it, with how sure it is; blank where either kept no outcomes."""
+    if (change := rung_change(below, e)) is None:
+        return ""
+    p, said = change
+    return f"{p.diff:+.1%} [{p.ci95[0]:+.1%}, {p.ci95[1]:+.1%}], McNemar p={p.mcnemar_p:.2g}: {said}"
 
 
 def ladder_plot(rungs: list[tuple[str, HeldoutEval]], path: Path, generative: dict[str, float] | None = None) -> Path:
