@@ -215,3 +215,58 @@ def test_minhash_signatures_hash_the_same_shingles_as_datatrove():
     for text in texts:
         assert np.array_equal(theirs.get_shingles(text), ours.get_shingles(text)), text[:40]
     assert len(ours.get_shingles(texts[1])) > 0 and len(ours.get_shingles(texts[2])) == 0
+
+
+def _slow_rank(data, rank: int, world_size: int):
+    """A pipeline step that says it started (its pid), then works for a minute."""
+    import os
+    import time
+    from pathlib import Path
+
+    Path(os.environ["SLOW_RANKS"], f"{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(60)
+    return data
+
+
+def test_a_stopping_process_interrupts_its_local_curation_workers_and_keeps_completed_ranks(tmp_path, monkeypatch):
+    """A signal reaches an ablation's curation thread only as STOPPING: the pool's ranks in flight are interrupted,
+    no further rank starts, and nothing is marked complete that did not finish."""
+    import threading
+    import time
+
+    import psutil
+
+    from infra.errors import Stopped
+    from infra.procs import STOPPING
+    from infra.recipe import ExecutorCfg
+
+    monkeypatch.setenv("SLOW_RANKS", str(tmp_path))
+    executor = pipelines.make_executor(ExecutorCfg(kind="local", workers=2), [_slow_rank], tmp_path / "logs", 4, "slow")
+    raised: list[BaseException] = []
+    thread = threading.Thread(target=lambda: raised.extend(_raises(executor.run)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        assert len(pids) == 2, "two ranks run at once"
+        STOPPING.set()
+        thread.join(20)
+        assert not thread.is_alive(), "the executor returned within seconds, not after its ranks' minute"
+        assert len(raised) == 1 and isinstance(raised[0], Stopped)
+        assert sorted(p.name for p in tmp_path.glob("*.pid")) == sorted(f"{r}.pid" for r in range(2)), "no third rank started"
+        assert not any(executor.is_rank_completed(r) for r in range(4))
+        time.sleep(1)
+        assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE], "workers ended"
+    finally:
+        STOPPING.clear()
+        thread.join(70)
+
+
+def _raises(fn) -> list[BaseException]:
+    try:
+        fn()
+    except BaseException as err:  # noqa: BLE001 - the test inspects it
+        return [err]
+    return []

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from infra.errors import Stopped
+from infra.procs import STOPPING
 from postrain.problems import arithmetic_problem, word_problem
 
 DOMAINS = ("prose", "code", "math")
@@ -122,6 +124,8 @@ def stdlib_docs(root: Path, max_bytes: int | None, workers: int = 1) -> Iterator
         else:
             found = map(read, files)
         for docs in tqdm(found, total=len(files), desc="stdlib modules", unit="file", mininterval=2, disable=len(files) < 200):
+            if STOPPING.is_set():  # a signal while this runs in a thread beside the main one: the pool ends with the stack
+                raise Stopped(f"{root}: parsing stopped by a signal")
             yield from docs
 
 

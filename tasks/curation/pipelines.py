@@ -14,10 +14,14 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,7 +44,8 @@ from datatrove.utils.hashing import create_hash_func
 from datatrove.utils.text import TextNormConfig, ngrams, simplify_text
 from fsspec.compression import register_compression
 
-from infra.errors import DataError, SmolflowError
+from infra.errors import DataError, SmolflowError, Stopped
+from infra.procs import STOPPING
 from infra.rayjobs import connect
 from infra.recipe import DecontaminateCfg, DedupCfg, ExecutorCfg, S3Cfg, SourceCfg
 from tasks.curation.filters import HeldOutSplit, ShortItemDecontFilter, build_filters
@@ -61,7 +66,7 @@ def make_executor(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: in
     """datatrove's Local, Slurm or Ray executor for `pipeline`, as the recipe's `executor` says."""
     if cfg.kind == "local":
         _preload_forkserver()
-        return LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(cfg.workers, tasks), logging_dir=str(logging_dir))
+        return LocalExecutor(pipeline, tasks=tasks, workers=min(cfg.workers, tasks), logging_dir=str(logging_dir))
     if cfg.kind == "slurm":
         return SlurmExecutor(
             pipeline,
@@ -96,6 +101,73 @@ def _preload_forkserver() -> None:
     as this process, a pool starts in ~0.2 s. No effect once the forkserver is running.
     """
     multiprocess.get_context("forkserver").set_forkserver_preload(["__main__", __name__])
+
+
+STOP_POLL_S = 0.5
+
+
+class LocalExecutor(LocalPipelineExecutor):
+    """datatrove's local executor, stopped when this process is STOPPING (a signal; Prefect raises only in the main
+    thread, and an ablation runs its runs in threads beside it): no rank starts after it, and a rank running in a pool
+    worker is interrupted once the stop file appears (the worker raises Stopped, which ends the pool). Ranks already
+    completed stay so: a rerun runs only the others. With one worker, ranks run in this thread: it stops between them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stop_file = os.path.join(self.logging_dir.path, f".stop-{uuid.uuid4().hex}")  # pool workers see no event
+
+    def run(self):
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(STOP_POLL_S):
+                if STOPPING.is_set():
+                    Path(self.stop_file).touch()
+                    return
+
+        threading.Thread(target=watch, daemon=True, name="datatrove-stop").start()
+        try:
+            return super().run()
+        except Exception as err:
+            if STOPPING.is_set():
+                raise Stopped(f"{self.logging_dir.path}: stopped by a signal; its completed ranks are kept") from err
+            raise
+        finally:
+            done.set()
+            Path(self.stop_file).unlink(missing_ok=True)
+
+    def _launch_run_for_rank(self, rank: int, ranks_q, completed=None, completed_lock=None):
+        if STOPPING.is_set() or os.path.exists(self.stop_file):
+            raise Stopped(f"rank {rank} not started: stopping")
+        with _interrupted_by(self.stop_file):
+            return super()._launch_run_for_rank(rank, ranks_q, completed, completed_lock)
+
+
+@contextmanager
+def _interrupted_by(stop_file: str):
+    """In a pool worker's main thread: raise Stopped there once STOP_FILE exists (a signal to itself, whose handler
+    raises between two bytecodes), so the pool hands the error back instead of finishing the rank."""
+    if threading.current_thread() is not threading.main_thread() or multiprocess.parent_process() is None:
+        yield
+        return
+    done = threading.Event()
+
+    def stop(*_: Any) -> None:
+        raise Stopped("stopping: this rank is interrupted")
+
+    def watch() -> None:
+        while not done.wait(STOP_POLL_S):
+            if os.path.exists(stop_file):
+                os.kill(os.getpid(), signal.SIGUSR1)
+                return
+
+    before = signal.signal(signal.SIGUSR1, stop)
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.signal(signal.SIGUSR1, before)
 
 
 def process_pool(workers: int):
