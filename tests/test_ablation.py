@@ -156,6 +156,7 @@ def test_two_variants_at_once_build_each_shared_step_once_and_compare_with_inter
     from flows.graph import build_graph
     from flows.pipeline import source_recipe
     from tasks.evaluation.report import build_report
+    from tasks.evaluation.results import run_results
 
     path = ablation_file(tmp_path, SFT_LR, until="sft", concurrency=2)  # both variants run at the same time
     root = tmp_path / "abl"
@@ -175,10 +176,10 @@ def test_two_variants_at_once_build_each_shared_step_once_and_compare_with_inter
     assert lrs == {"slow": 0.002, "fast": 0.005}
     assert not (root / "steps" / ".previous").exists()
 
-    # shared models are scored once: one result file per distinct model in the shared result store
-    results = [json.loads(p.read_text()) for p in (root / "evals" / "results").glob("*.json")]
-    assert len({r["fingerprint"] for r in results}) == len(results)
-    labels = [r["model"]["label"] for r in results]
+    # shared models are scored once: one object per task and distinct model in the shared result store
+    objects = [json.loads(p.read_text()) for p in (root / "evals" / "results").glob("*.json")]
+    assert len({(r["fingerprint"], *r["tasks"]) for r in objects}) == len(objects)
+    labels = [r["model"]["label"] for r in run_results(root).all()]
     assert labels.count("base") == 1 and labels.count("sft") == 2
     # each run's report card lists its own SFT model's results (2 tasks), not the other variant's
     for variant in ("slow", "fast"):

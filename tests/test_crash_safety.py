@@ -734,3 +734,36 @@ def test_eval_of_a_mirror_finds_every_version_an_ablation_left_there(tmp_path, b
     assert len(found) == 2 and not skipped and all(m.label == "sft" for m in found)
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint_url)  # `smolflow eval s3://...` reads the endpoint as any AWS client does
     assert source_recipe(f"s3://{name}/abl", None).name == "micro"
+
+
+def test_two_hosts_scoring_one_model_in_one_bucket_keep_each_others_results(bucket, monkeypatch):
+    """Each host has its own claim lock, so both may score a model at once: host B commits its task while host A
+    writes its own; A's commit must not drop B's (a record read, changed and written back would)."""
+    from tasks.evaluation.results import ModelRef, ResultStore
+
+    fs, name, s3 = bucket
+    host_a, host_b = (ResultStore(f"s3://{name}/evals/results", s3) for _ in range(2))
+    model = ModelRef(f"s3://{name}/m", "f" * 24, "base", "model", "base")
+    first = type(host_a.fs).mv
+    interleaved = []
+
+    def mv(self, *args, **kwargs):  # host A's commit: host B commits its own result first
+        if not interleaved:
+            interleaved.append(True)
+            host_b.put(model, {"smol_ppl_code": {"bits_per_byte": 1.5}}, "k", None, 2.0)
+        return first(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(host_a.fs), "mv", mv)
+    record = host_a.put(model, {"smol_arithmetic_cf": {"acc": 0.5}}, "k", None, 3.0)
+    assert interleaved and set(record["tasks"]) == {"smol_arithmetic_cf", "smol_ppl_code"}
+    assert record["seconds"] == 5.0 and host_b.pending(model, ["smol_arithmetic_cf", "smol_ppl_code"], "k") == []
+    # a record of the earlier layout (one object per model) still reads, merged with the objects written since
+    fs.pipe(
+        f"{name}/evals/results/{'e' * 24}.json",
+        json.dumps({"fingerprint": "e" * 24, "model": model.info(), "tasks": {"old": {"key": "k"}}}).encode(),
+    )
+    fs.invalidate_cache()
+    assert {r["fingerprint"]: sorted(r["tasks"]) for r in host_a.all()} == {
+        "e" * 24: ["old"],
+        "f" * 24: ["smol_arithmetic_cf", "smol_ppl_code"],
+    }

@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from flows.server import Server
+from tasks.evaluation.results import run_results
 from tests.conftest import free_port
 from tests.helpers import REPO, micro_recipe, write_recipe
 
@@ -255,7 +256,7 @@ def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_e
     # every stage ran, each model was evaluated, and the report card shows them
     manifests = {p.parent.name for p in run_dir.glob("*/manifest.json")}
     assert {"mixtures", "pretrain_phase1", "pretrain_long_context", "sft"} <= manifests
-    records = [json.loads(p.read_text()) for p in (run_dir / "evals" / "results").glob("*.json")]
+    records = run_results(run_dir).all()
     labels = {r["model"]["label"] for r in records}
     assert {"base", "sft"} <= labels and any(label.startswith("phase1/") for label in labels)
     checkpoint_tokens = sorted(r["model"]["tokens"] for r in records if r["model"]["kind"] == "checkpoint")
@@ -280,7 +281,7 @@ def test_pipeline_deployment_survives_a_crash_then_single_stages_and_scheduled_e
     assert deployment["work_queue_name"] == "eval"
 
     def kept_checkpoint(result: Path) -> bool:  # a checkpoint still on disk: pruning removed the early ones once scored
-        model = json.loads(result.read_text())["model"]
+        model = json.loads(result.read_text())["model"]  # one result (task) of one model
         step = model["label"].rpartition("/")[2]
         return model["kind"] == "checkpoint" and (run_dir / f"pretrain_{model['stage']}" / "checkpoints" / step).is_dir()
 

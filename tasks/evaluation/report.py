@@ -20,7 +20,7 @@ from infra.summaries import ChatDataSummary, CurationSummary, HeldoutEval, Phase
 from postrain.data import sign_slips_note
 from tasks.evaluation.audit import BEYOND, audit, audit_table
 from tasks.evaluation.plots import save
-from tasks.evaluation.results import RESULTS, made_by, main_metric, stderr_of
+from tasks.evaluation.results import made_by, main_metric, run_results, stderr_of
 from tasks.evaluation.stats import Paired, items_of, paired, verdict
 
 
@@ -78,7 +78,7 @@ def phase_ends(phases: list[StepOutput]) -> list[tuple[str, int]]:
 def eval_records(run_dir: Path, graph: list[Step]) -> list[dict]:
     """This run's results: a result store shared with other runs (an ablation's) holds theirs too."""
     ours = {made_by(folder) for s in graph for folder in (run_dir / s.name, run_dir / ".partial" / s.name)} - {None}
-    records = [json.loads(p.read_text()) for p in sorted((run_dir / RESULTS).glob("*.json"))]
+    records = run_results(run_dir).all()
     return [r for r in records if r["model"].get("step_id") in ours or r["model"].get("step_id") is None]
 
 

@@ -226,6 +226,20 @@ def remote_fingerprint(fs, folder: str, sub: str, files: dict[str, Any]) -> tupl
     return fingerprint_listing({rel: r["md5"] for rel, r in record.items()}), None
 
 
+def _merged(objects: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One model's record from its objects: every task (the newest object's for a task stored twice), the seconds
+    of all its evaluations, the time of the last."""
+    if not objects:
+        return None
+    objects = sorted(objects, key=lambda r: r.get("evaluated_at", ""))
+    record = {"fingerprint": objects[0]["fingerprint"], "model": objects[-1]["model"], "tasks": {}}
+    for o in objects:
+        record["tasks"] |= o["tasks"]
+    record["seconds"] = round(sum(o.get("seconds", 0.0) for o in objects), 2)
+    record["evaluated_at"] = objects[-1].get("evaluated_at")
+    return record
+
+
 RESULTS = Path("evals") / "results"  # a run's result store (an ablation's and a swarm's runs link theirs to a shared one)
 
 
@@ -234,22 +248,28 @@ def run_results(run_dir: Path) -> ResultStore:
 
 
 class ResultStore:
-    """Evaluation results per model fingerprint, in a local folder or under an fsspec URL."""
+    """Evaluation results per model fingerprint, in a local folder or under an fsspec URL: one object per result
+    (`FP.TASK.json`, a record holding that one task), written whole and never read back to be rewritten, so two
+    hosts scoring one model in the same bucket cannot drop each other's tasks. A model's record is the merge of its
+    objects (and of `FP.json`, the one object per model that earlier versions wrote, still read)."""
 
     def __init__(self, url: str, s3: S3Cfg | None = None, lock_dir: Path | None = None):
         self.url = url.rstrip("/")
         self.fs, self.root = filesystem(self.url, s3)
         self.lock_dir = Path(lock_dir or (Path(url) / ".locks" if "://" not in url else Path(".smolflow") / "eval-locks"))
 
-    def _path(self, fingerprint: str) -> str:
-        return f"{self.root}/{fingerprint}.json"
+    def _read(self, paths: list[str]) -> list[dict[str, Any]]:
+        out = []
+        for path in sorted(paths):  # FP.json (earlier versions' whole record) sorts before FP.TASK.json
+            try:
+                with self.fs.open(path, "rb") as f:
+                    out.append(json.loads(f.read()))
+            except FileNotFoundError:
+                continue
+        return out
 
     def get(self, fingerprint: str) -> dict[str, Any] | None:
-        try:
-            with self.fs.open(self._path(fingerprint), "rb") as f:
-                return json.loads(f.read())
-        except FileNotFoundError:
-            return None
+        return _merged(self._read(self.fs.glob(f"{self.root}/{fingerprint}.json") + self.fs.glob(f"{self.root}/{fingerprint}.*.json")))
 
     def pending(self, model: ModelRef, tasks: list[str], key: str) -> list[str]:
         """Tasks this model has no result for under this evaluation identity (`eval_key`)."""
@@ -257,14 +277,19 @@ class ResultStore:
         return [t for t in tasks if t not in done or done[t].get("key") != key]
 
     def put(self, model: ModelRef, metrics: dict[str, dict[str, float]], key: str, limit: int | None, seconds: float) -> dict[str, Any]:
-        record = self.get(model.fingerprint) or {"fingerprint": model.fingerprint, "model": model.info(), "tasks": {}}
-        for task, m in metrics.items():  # a task's item outcomes (`items`, when kept) beside its metrics
-            entry = {"key": key, "limit": limit, "metrics": {k: v for k, v in m.items() if k != ITEMS}}
-            record["tasks"][task] = entry | ({ITEMS: m[ITEMS]} if ITEMS in m else {})
-        record["seconds"] = round(record.get("seconds", 0.0) + seconds, 2)
-        record["evaluated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        tmp = f"{self.root}/.{model.fingerprint}.json.tmp"
+        """One object per task (its item outcomes, when kept, beside its metrics; SECONDS shared among them); returns
+        the model's record as it now reads."""
         self.fs.makedirs(self.root, exist_ok=True)
+        at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        for task, m in metrics.items():
+            entry = {"key": key, "limit": limit, "metrics": {k: v for k, v in m.items() if k != ITEMS}}
+            entry |= {ITEMS: m[ITEMS]} if ITEMS in m else {}
+            record = {"fingerprint": model.fingerprint, "model": model.info(), "tasks": {task: entry}}
+            self._write(f"{model.fingerprint}.{task}.json", record | {"seconds": round(seconds / len(metrics), 2), "evaluated_at": at})
+        return self.get(model.fingerprint) or {}
+
+    def _write(self, name: str, record: dict[str, Any]) -> None:
+        tmp = f"{self.root}/.{name}.tmp"
         try:
             with self.fs.open(tmp, "w") as f:
                 json.dump(record, f, sort_keys=True, separators=(",", ":"))  # compact: item outcomes run to thousands of numbers
@@ -277,15 +302,18 @@ class ResultStore:
                 f"evaluation results: no space left writing {tmp} ({free / 2**20:.1f} MiB free there); the model's results "
                 "stored before are untouched: free space and rerun (`smolflow eval` scores only what has none)"
             ) from err
-        self.fs.mv(tmp, self._path(model.fingerprint))
-        return record
+        self.fs.mv(tmp, f"{self.root}/{name}")
+
+    def files(self, fingerprint: str) -> list[str]:
+        """The names of a model's objects (a run's mirror copies them)."""
+        return sorted(Path(p).name for p in self.fs.glob(f"{self.root}/{fingerprint}.*.json"))
 
     def all(self) -> list[dict[str, Any]]:
-        records = []
-        for path in sorted(self.fs.glob(f"{self.root}/*.json")):
-            with self.fs.open(path, "rb") as f:
-                records.append(json.loads(f.read()))
-        return records
+        """Every model's record."""
+        objects: dict[str, list[dict[str, Any]]] = {}
+        for record in self._read(self.fs.glob(f"{self.root}/*.json")):
+            objects.setdefault(record["fingerprint"], []).append(record)
+        return [r for fp in sorted(objects) if (r := _merged(objects[fp]))]
 
     @contextmanager
     def claim(self, fingerprint: str) -> Iterator[bool]:

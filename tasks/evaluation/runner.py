@@ -161,7 +161,8 @@ class Evaluator:
         self._scored(model)
         self._mark_evaluated(model)
         if self.mirror is not None:
-            self.mirror.put_file(Path(self.store.root) / f"{model.fingerprint}.json", f"{RESULTS.as_posix()}/{model.fingerprint}.json")
+            for name in self.store.files(model.fingerprint):
+                self.mirror.put_file(Path(self.store.root) / name, f"{RESULTS.as_posix()}/{name}")
         summary.evaluated.append(model.label)
         self.log.info("eval %s (%s): %s", model.label, _tokens(model), headline(record))
 
