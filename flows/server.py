@@ -10,7 +10,8 @@ since a worker whose server vanished first retries its connection instead of exi
 server dies is stopped within a second (infra/procs.py `guarded`): it would otherwise go on sending the
 auth string to whatever process binds the port next. Within that second its first reconnect can still
 reach a process that bound the port at once (seen once on a loaded machine): the client itself does not
-check who listens.
+check who listens. `.smolflow/env` does, when a shell sources it (`owns_port`), and leaves the auth string
+unset if the port is not our server's.
 
 Work pool `smolflow` (type process) has three queues: `default` for the pipeline and stage flows and
 `eval` for scheduled evaluation, one flow run at a time each, so evaluation never takes the training
@@ -199,12 +200,26 @@ class Server:
             "state": str(self.state),
         }
 
+    def owns_port(self) -> bool:
+        """Whether what listens on the API port is our server (its process or one of its children): a client checks
+        before it sends the auth string, which a local user who bound the port after our server died would receive."""
+        ours = self.pid("server")
+        if ours is None:
+            return False
+        family = {ours, *(p.pid for p in psutil.Process(ours).children(recursive=True))}
+        listeners = {c.pid for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == self.port}
+        return bool(listeners) and listeners <= family  # a pid we may not see (another user's: None) is not ours
+
     def env_script(self) -> str:
+        """Sourced in a shell: the venv, the API's URL and the auth string, which is unset again (with a warning)
+        unless the port is our server's when it is sourced."""
         keep = ("PREFECT_HOME", "PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "SMOLFLOW_ROOT", "SMOLFLOW_STATE", "SLURM_CONF")
         keep += ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
         keep += tuple(OFFLINE_DEFAULTS)
         env = self.env()
         lines = [f". {self.root / '.venv' / 'bin' / 'activate'}"] + [f"export {k}={env[k]!r}" for k in keep if k in env]
+        check = f"PYTHONPATH={str(self.root)!r} {str(self.root / '.venv' / 'bin' / 'python')!r} -m flows.server check-port {self.port}"
+        lines.append(f"{check} || unset PREFECT_API_AUTH_STRING")
         return "# source this file to use the local Prefect server from a shell\n" + "\n".join(lines) + "\n"
 
 
@@ -268,3 +283,10 @@ def configure(pool: str, queues: dict[str, int]) -> None:
             )
         ],
     ).create()
+
+
+if __name__ == "__main__":  # `python -m flows.server check-port PORT`, as .smolflow/env runs it
+    port = int(sys.argv[2])
+    if not Server.here(port).owns_port():
+        print(f"smolflow: port {port} is not our Prefect server's (stopped? another user's?): the auth string is not set", file=sys.stderr)
+        sys.exit(1)

@@ -353,11 +353,19 @@ def test_the_report_card_subflows_and_training_curves_show_in_a_browser(server, 
     assert shown[shown.index("loss", trl) + 1] == "sft"
 
 
+def sourced(server: Server) -> subprocess.CompletedProcess:
+    """A shell that sources the state dir's env file, as a user does: the auth string it has then."""
+    script = f". {server.state / 'env'} && echo ${{PREFECT_API_AUTH_STRING:-unset}}"
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
+
+
 def test_the_worker_stops_with_its_server_and_then_sends_nothing_to_a_stranger_on_the_port(server):
-    """Last in this file: it kills the module's server. The worker, whose polls carry the auth string, is stopped with
+    """Last in this file: it kills the module's server. A shell sourcing `.smolflow/env` gets the auth string only
+    while the port is our server's. The worker, whose polls carry the auth string, is stopped with
     it (flows/server.py), so a local user who binds the freed port afterwards receives nothing. (Unguarded, the worker
     went on polling and such a listener got its requests with the auth string. The guard polls once a second: a
     listener bound within that second can still get the worker's first reconnect; see the module doc.)"""
+    assert sourced(server).stdout.strip() == server.auth(), "`source .smolflow/env` gives a shell the auth string"
     worker = psutil.Process(server.pid("worker"))
     workers = [worker, *worker.children(recursive=True)]
     server_tree = psutil.Process(server.pid("server"))
@@ -371,6 +379,8 @@ def test_the_worker_stops_with_its_server_and_then_sends_nothing_to_a_stranger_o
     stranger.bind(("127.0.0.1", server.port))
     stranger.listen()
     stranger.settimeout(0.5)
+    shell = sourced(server)  # ... but not while a stranger holds the port
+    assert shell.stdout.strip() == "unset" and f"port {server.port} is not our Prefect server's" in shell.stderr
     end = time.time() + 15  # a leftover poller would poll within 10 s (PREFECT_WORKER_QUERY_SECONDS)
     while time.time() < end:
         try:
