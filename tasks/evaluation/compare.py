@@ -305,25 +305,12 @@ def publish_comparison(
         ]
         if any(e["seeds_only"] and e["stderr"] is not None for e in table):
             lines += ["", "† spread over seeds only: lm-eval gives no standard error for this metric, so item sampling is not in it."]
-        lines += ["", *_conclusion(table), ""]
-        # a forest plot: each variant's difference from the baseline with its 95% interval, one line per metric
-        diffs = [e for e in table if "diff" in e]
-        fig, ax = plt.subplots(figsize=(9, 0.35 * len(diffs) + 1.5))
-        for i, e in enumerate(diffs):
-            low, high = e.get("ci95", [e["diff"], e["diff"]])
-            color = {"better": "C2", "worse": "C3"}.get(e.get("verdict", "").split(" ")[0], "grey")
-            ax.errorbar(e["diff"], i, xerr=[[e["diff"] - low], [high - e["diff"]]], fmt="o", color=color, capsize=3)
-        ax.axvline(0, color="black", linewidth=0.8)
-        labels = [f"{e['variant']}: {e['model']} {e['task'].removeprefix('smol_')} ({e['metric'].split('/')[0]})" for e in diffs]
-        ax.set_yticks(
-            range(len(diffs)),
-            labels,
-            fontsize=7,
-        )
-        ax.invert_yaxis()
-        ax.set(title=f"Difference from {baseline}, 95% interval", xlabel="green: better, red: worse, grey: within noise")
-        lines += [f"![scores]({save(fig, out / 'scores.png').name})", ""]
-
+        if len(variants) > 1:
+            lines += ["", *_conclusion(table), ""]
+            lines += [f"![scores]({save(_forest([e for e in table if 'diff' in e], baseline, plt), out / 'scores.png').name})", ""]
+        else:
+            study = f"**A seed study** ({len(runs)} seeds of one variant): nothing is compared; each row's noise floor is what"
+            lines += ["", f"{study} a variant with as many seeds must differ by to get a verdict.", ""]
     lines += ["## Which tasks carry signal", "", *audit_table(audits), ""]
     if select == "auto":
         lines += [f"Left out of the verdicts (`evaluation.select: auto`): {', '.join(sorted(silent)) or 'none'}.", ""]
@@ -455,6 +442,21 @@ def _ladder_plot(ladders: dict[str, Ladder], plt) -> Any:
         ax.plot([n for n, _ in rungs], [e.accuracy for _, e in rungs], marker="o", label=run)
     ax.set(title="Post-training ladder per run", ylabel="held-out accuracy")
     ax.legend(fontsize=7)
+    return fig
+
+
+def _forest(diffs: list[dict[str, Any]], baseline: str, plt) -> Any:
+    """Each variant's difference from the baseline with its 95% interval, one line per metric."""
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(diffs) + 1.5))
+    for i, e in enumerate(diffs):
+        low, high = e.get("ci95", [e["diff"], e["diff"]])
+        color = {"better": "C2", "worse": "C3"}.get(e.get("verdict", "").split(" ")[0], "grey")
+        ax.errorbar(e["diff"], i, xerr=[[e["diff"] - low], [high - e["diff"]]], fmt="o", color=color, capsize=3)
+    ax.axvline(0, color="black", linewidth=0.8)
+    labels = [f"{e['variant']}: {e['model']} {e['task'].removeprefix('smol_')} ({e['metric'].split('/')[0]})" for e in diffs]
+    ax.set_yticks(range(len(diffs)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set(title=f"Difference from {baseline}, 95% interval", xlabel="green: better, red: worse, grey: within noise")
     return fig
 
 
