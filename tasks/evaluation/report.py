@@ -245,7 +245,8 @@ def ladder_table(rungs: list[tuple[str, HeldoutEval]], generative: dict[str, flo
     if fell := falls(rungs):
         rows += ["", f"**{fell}**"]
     if any(e.outcomes for _, e in rungs):
-        note = "Paired: over the prompts both rungs answered, 95% bootstrap interval and McNemar's p (one pipeline seed: no noise floor)."
+        note = "Paired: over the prompts both rungs answered, 95% bootstrap interval and McNemar's p (one pipeline seed: no noise floor;"
+        note += " `smolflow ablate configs/ablations/ladder_seeds.yaml` repeats the ladder over seeds)."
         rows += ["", note]
     return rows
 
