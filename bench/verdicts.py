@@ -8,7 +8,7 @@ effect; `math25`: 25% math in phase 1 instead of 10%, a small one), each with `-
 weights and batch order), scored on held-out math bits per byte and arithmetic cloze. From the
 base models' per-item outcomes, judged as `smolflow ablate` judges (tasks/evaluation/stats.py):
 - nulls: every pair of seeds of one variant, the noise floor measured on that variant's other seeds, and (a one-seed
-  ablation's floor) on the first seed's own last 4 checkpoints;
+  ablation's floor) on the first seed's own last 4 checkpoints (none, so no floor, in a run of fewer than 8);
 - power: every (recipe, no math) pair of seeds, the floor from the recipe's other seeds, and from its own checkpoints;
 (each run's last checkpoint, the base model's weights)
 - items: on each planted pair, the fewest held-out items (random subsets, doubling) at which the paired interval
@@ -141,7 +141,7 @@ def main() -> None:
     print(f"ablation: 2 variants x {args.seeds} seeds at {args.scale:g} of the tiny recipe's tokens, {seconds:,.0f} s on this machine")
     print(f"{'task':22}{'floor from':>20}{'null verdicts':>16}{'planted found':>16}{'items: paired':>16}{'unpaired':>10}")
     for task, lower in TASKS.items():
-        for floor_from in ("other seeds", "last 4 checkpoints"):
+        for floor_from in ("other seeds", "own checkpoints"):
             nulls = []
             for v in variants:
                 for a, b in itertools.combinations(range(args.seeds), 2):
@@ -166,10 +166,10 @@ def main() -> None:
                 f"{f'{found}/{len(planted)} ({found / len(planted):.0%})':>16}{items}"
             )
     own = {t: [f for v in variants for seed in seeds[v] if (f := seed.own_floor[t]) is not None] for t in TASKS}
-    print(
-        "one seed's floor from its last 4 checkpoints, median over runs: "
-        + ", ".join(f"{t} {np.median(f):.4f}" for t, f in own.items() if f)
-    )
+    runs_n = sum(len(seeds[v]) for v in variants)
+    said = [f"{t} in {len(f)} of {runs_n} runs" + (f" (median {np.median(f):.4f})" if f else "") for t, f in own.items()]
+    # compare.checkpoint_floors gives none where a run has fewer than 8 checkpoints (still learning across them)
+    print("one seed's floor from its last 4 checkpoints: " + ", ".join(said))
     n = args.seeds
     for task, lower in TASKS.items():  # the ablation itself: every seed of each variant, as `smolflow ablate` judges it
         p = paired([r[task] for r in runs[variants[0]]], [r[task] for r in runs[variants[1]]])

@@ -249,12 +249,12 @@ def test_one_seed_takes_its_noise_floor_from_its_last_checkpoints_for_the_pretra
 
     records = [  # the baseline's checkpoints: arithmetic cloze climbs, then jitters by ~0.015 over the last four
         {"model": {"kind": "checkpoint", "tokens": 100 * (i + 1)}, "tasks": {"smol_arithmetic_cf": {"metrics": {"acc": acc}}}}
-        for i, acc in enumerate([0.30, 0.40, 0.50, 0.52, 0.49, 0.51])
+        for i, acc in enumerate([0.20, 0.30, 0.40, 0.45, 0.50, 0.52, 0.49, 0.51])
     ]
     floors = checkpoint_floors(records, ["base"])
     jitter = float(np.std([0.50, 0.52, 0.49, 0.51], ddof=1))
     assert floors == {("base", "smol_arithmetic_cf", "acc"): pytest.approx(3.1824 * jitter * 2**0.5, abs=1e-4)}  # t(0.975, 3)
-    assert checkpoint_floors(records[:3], ["base"]) == {}, "fewer than 4 checkpoints measure nothing"
+    assert checkpoint_floors(records[2:], ["base"]) == {}, "with 6 checkpoints the last 4 are still the climb: no floor"
     rows = []
     for model in ("base", "sft"):  # +0.05 with a tight interval: beyond 0, but not beyond the last checkpoints' jitter
         row = Row(model, "smol_arithmetic_cf", "acc")
