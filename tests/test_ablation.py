@@ -252,8 +252,12 @@ def test_one_seed_takes_its_noise_floor_from_its_last_checkpoints_for_the_pretra
         for i, acc in enumerate([0.20, 0.30, 0.40, 0.45, 0.50, 0.52, 0.49, 0.51])
     ]
     floors = checkpoint_floors(records, ["base"])
-    jitter = float(np.std([0.50, 0.52, 0.49, 0.51], ddof=1))
-    assert floors == {("base", "smol_arithmetic_cf", "acc"): pytest.approx(3.1824 * jitter * 2**0.5, abs=1e-4)}  # t(0.975, 3)
+    x, y = np.array([500.0, 600, 700, 800]), np.array([0.50, 0.52, 0.49, 0.51])
+    residuals = y - np.polyval(np.polyfit(x, y, 1), x)  # the jitter about the last four's trend, not their spread
+    expected = 4.3027 * float(np.sqrt((residuals**2).sum() / 2)) * 2**0.5  # t(0.975, 2): two degrees spent on the line
+    assert floors == {("base", "smol_arithmetic_cf", "acc"): pytest.approx(expected, abs=1e-4)}
+    steady = [r | {"tasks": {"smol_arithmetic_cf": {"metrics": {"acc": 0.3 + 0.02 * i}}}} for i, r in enumerate(records)]
+    assert checkpoint_floors(steady, ["base"]).get(("base", "smol_arithmetic_cf", "acc"), 0.0) < 1e-6, "a steady climb is no noise"
     assert checkpoint_floors(records[2:], ["base"]) == {}, "with 6 checkpoints the last 4 are still the climb: no floor"
     rows = []
     for model in ("base", "sft"):  # +0.05 with a tight interval: beyond 0, but not beyond the last checkpoints' jitter

@@ -580,6 +580,13 @@ def test_the_audit_tells_tasks_with_early_signal_from_late_ones_and_from_noise_a
     assert seeded["early_cf"].runs == 3 and seeded["early_cf"].ranking > 0.9, "seed 2 > seed 1 > seed 0 at every checkpoint"
     assert seeded["flat_mcf"].ranking < 0.5 and seeded["flat_mcf"].verdict == "no signal at this scale"
     assert audit([_checkpoints(tasks, chance)] * 2)[0].runs == 1, "runs that share their checkpoints are one run"
+    # two variants, one seed each, far apart and each climbing smoothly (math bits per byte with 10% vs 25% math):
+    # their gap is the ablation's effect, not noise, and a climb through the last checkpoints is not noise either
+    climb = 3.0 - 0.2 * steps
+    apart = [_checkpoints({"smol_ppl_math": list(climb + gap + rng.normal(0, 0.005, 8))}, {}, run=r) for r, gap in (("a", 0.0), ("b", 0.4))]
+    (math_bpb,) = audit(apart, ["math10", "math25"])
+    assert math_bpb.verdict == "usable early" and math_bpb.noise < 0.02, math_bpb
+    assert audit(apart)[0].noise > 0.25, "taken as seeds of one variant, the gap counts as noise"
     assert "| flat_mcf | acc | 8 x 1 |" in "\n".join(audit_table(list(found.values())))
     # a few items: rising from 0.25 to a 0.375 that repeats at the last checkpoints is within its standard error
     few = _checkpoints({"few_cf": [0.25, 0.25, 0.375, 0.375, 0.375, 0.375]}, {"few_cf": 0.25})

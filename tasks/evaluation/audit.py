@@ -3,8 +3,9 @@
 For each task (its main metric) over the pretraining checkpoints of one or more runs (seeds or variants
 of an ablation, which share their checkpoint schedule):
 - monotonicity: Spearman's rho of the score against tokens (scipy), signed so that +1 is steady improvement;
-- noise: the standard deviation over runs at the same checkpoint (seeds), or, with one run, over its
-  last NOISE_WINDOW checkpoints (what the score jitters by once it moves slowly); never below the
+- noise: the standard deviation over a variant's seeds at the same checkpoint, or, with one run per variant, the
+  jitter of each run's last NOISE_WINDOW checkpoints about their trend (stats.jitter; their raw spread is mostly
+  the climb, and the spread across variants is the ablation's effect); never below the
   standard error lm-eval reports for one checkpoint's score (a score that rests on a few items and
   happens to repeat is not noise-free: 0.375 at four checkpoints of 8 items made a signal/noise of 1e8);
 - signal-to-noise: the improvement from the first checkpoint to the last, in units of that noise;
@@ -25,9 +26,10 @@ from typing import Any
 import numpy as np
 
 from tasks.evaluation.results import main_metric, stderr_of
+from tasks.evaluation.stats import jitter
 
 LOWER_IS_BETTER = ("bits_per_byte",)
-NOISE_WINDOW = 4  # one run: the noise is the spread of its last checkpoints
+NOISE_WINDOW = 4  # one run: the noise is the jitter of its last checkpoints about their trend
 MONOTONE = 0.6  # Spearman's rho at least this
 BEYOND = 2.0  # signal, and distance from chance, in noise units
 NO_SIGNAL = "no signal at this scale"
@@ -80,11 +82,13 @@ def sampling_error(runs: list[list[dict]], task: str, metric: str) -> float:
     return float(np.median(errors)) if errors else 0.0
 
 
-def audit(runs: list[list[dict]]) -> list[TaskAudit]:
-    """RUNS: each run's result records (evals/results/*.json). Tasks scored at 3 or more checkpoints common to all runs."""
+def audit(runs: list[list[dict]], variants: list[str] | None = None) -> list[TaskAudit]:
+    """RUNS: each run's result records (its result store's). Tasks scored at 3 or more checkpoints common to all runs.
+    VARIANTS (an ablation's, one per run): seeds measure noise only within a variant; the spread across variants
+    is what the ablation changed, not noise. Default: every run a seed of one variant."""
     from scipy import stats
 
-    runs = _distinct(runs)
+    runs, variants = _distinct(runs, variants or [""] * len(runs))
     per_run = [series(records) for records in runs]
     keys = sorted(set.intersection(*(set(s) for s in per_run))) if per_run else []
     out = []
@@ -96,10 +100,12 @@ def audit(runs: list[list[dict]]) -> list[TaskAudit]:
         scores = np.array([[s[(task, metric)][t] for t in tokens] for s in per_run]) * sign  # runs x checkpoints, higher better
         mean = scores.mean(axis=0)
         rho = float(stats.spearmanr(tokens, mean).statistic) if np.ptp(mean) > 0 else 0.0
-        if len(runs) > 1:
-            noise = float(scores.std(axis=0, ddof=1).mean())
-        else:
-            noise = float(np.std(mean[-NOISE_WINDOW:], ddof=1))
+        seeded = [[i for i, v in enumerate(variants) if v == name] for name in dict.fromkeys(variants)]
+        seeded = [rows for rows in seeded if len(rows) > 1]
+        if seeded:  # the spread over a variant's seeds at each checkpoint
+            noise = float(np.mean([scores[rows].std(axis=0, ddof=1).mean() for rows in seeded]))
+        else:  # one run per variant: each run's last checkpoints about their trend (the climb is signal, not noise)
+            noise = float(np.mean([jitter(tokens[-NOISE_WINDOW:], row[-NOISE_WINDOW:]) for row in scores]))
         noise = max(noise, sampling_error(runs, task, metric), 1e-9)
         chance = chance_of(runs[0], task)
         edge = chance * sign if chance is not None else mean[0]  # what a useful score must clear: chance, else the first score
@@ -121,15 +127,16 @@ def audit(runs: list[list[dict]]) -> list[TaskAudit]:
     return out
 
 
-def _distinct(runs: list[list[dict]]) -> list[list[dict]]:
-    """One run per distinct set of checkpoints: variants that share their pretraining are one run to the audit."""
-    seen, out = set(), []
-    for records in runs:
+def _distinct(runs: list[list[dict]], variants: list[str]) -> tuple[list[list[dict]], list[str]]:
+    """One run per distinct set of checkpoints (and its variant): variants that share their pretraining are one run."""
+    seen, out, names = set(), [], []
+    for records, variant in zip(runs, variants, strict=True):
         key = frozenset(r["fingerprint"] for r in records if r["model"].get("kind") == "checkpoint")
         if key not in seen:
             seen.add(key)
             out.append(records)
-    return out
+            names.append(variant)
+    return out, names
 
 
 def audit_table(audits: list[TaskAudit]) -> list[str]:

@@ -32,7 +32,7 @@ from tasks.evaluation.audit import NO_SIGNAL, NOISE_WINDOW, audit, audit_table, 
 from tasks.evaluation.plots import artifact, save
 from tasks.evaluation.report import eval_records, ladder, rung_change, step_metrics
 from tasks.evaluation.results import local_fingerprint, main_metric, run_results, stderr_of
-from tasks.evaluation.stats import Items, items_of, noise_floor, paired, verdict
+from tasks.evaluation.stats import Items, checkpoint_floor, items_of, noise_floor, paired, verdict
 
 LOWER_IS_BETTER = ("bits_per_byte", "loss")
 
@@ -130,16 +130,15 @@ def _binomial_stderr(p: float, n: int) -> float:
 
 
 def checkpoint_floors(records: list[dict], pretrained: list[str]) -> dict[tuple[str, str, str], float]:
-    """A baseline with one seed: (model, task, metric) -> a noise floor from the spread of its last NOISE_WINDOW
-    checkpoints' scores, each taken as a seed would be (stats.noise_floor), for the PRETRAINED models' rows. It costs
-    nothing more, but sees only what the last steps jitter a score by, not what another initialisation moves it by;
-    and only where those checkpoints are the second half of the run or later: a run with fewer checkpoints is still
-    learning across them, and its spread is the trend (bench/verdicts.py: 5x the seeds' floor, 2 in 25 planted
-    effects found)."""
+    """A baseline with one seed: (model, task, metric) -> a noise floor from its last NOISE_WINDOW checkpoints' scores,
+    their jitter about their trend (stats.checkpoint_floor), for the PRETRAINED models' rows. It costs nothing more,
+    but sees only what the last steps move a score by, not what another initialisation does; and only where those
+    checkpoints are the second half of the run or later: over fewer, a line does not fit the climb (bench/verdicts.py:
+    on runs of 4 checkpoints, 5x the seeds' floor, 2 in 25 planted effects found)."""
     out = {}
     for (task, metric), by_tokens in series(records).items():
-        last = [by_tokens[t] for t in sorted(by_tokens)[-NOISE_WINDOW:]]
-        if len(by_tokens) >= 2 * NOISE_WINDOW and (floor := noise_floor(last, 1, 1)):
+        tokens = sorted(by_tokens)[-NOISE_WINDOW:]
+        if len(by_tokens) >= 2 * NOISE_WINDOW and (floor := checkpoint_floor(tokens, [by_tokens[t] for t in tokens])):
             out |= {(model, task, metric): floor for model in pretrained}
     return out
 
@@ -258,7 +257,7 @@ def publish_comparison(
     pretrained = [s.model for s in runs[0].steps if s.checkpoints and s.model]
     floors = checkpoint_floors(records[base_runs[0].name], pretrained) if len(base_runs) == 1 else None
     table = compare_rows(rows, variants, baseline, floors)
-    audits = audit(list(records.values()))
+    audits = audit(list(records.values()), [r.variant for r in runs])
     silent = {a.task for a in audits if a.verdict == NO_SIGNAL}
     if select == "auto":
         table = judge_only_usable(table, silent)
@@ -300,7 +299,7 @@ def publish_comparison(
             "Paired: over the items both variants answered (bootstrap; McNemar's p for right/wrong items; the smallest "
             "difference it detects 80% of the time in brackets). Noise floor: what the baseline's seeds alone exceed 5% of the time"
             + (
-                f"; with one seed, what its last {NOISE_WINDOW} checkpoints' scores would, each taken as a seed (‡): that misses what "
+                f"; with one seed, what its last {NOISE_WINDOW} checkpoints' jitter about their trend gives (‡): that misses what "
                 "another initialisation moves a score by, so `seeds: 2` or more is the surer floor."
                 if floors
                 else "."
