@@ -61,23 +61,26 @@ def main() -> None:
     at_full = {(r["model"], r["task"], r["metric"], r["variant"]): r for r in full}
     print(f"{path.name}: proxy scale {proxy_s:,.0f} s, full scale {full_s:,.0f} s on this machine (0 s: already built)")
     print(f"{'metric':46}{'proxy diff':>12}{'full diff':>12}  {'order':8}{'proxy verdict':>16}{'full verdict':>16}")
-    same_order = same_decision = n = 0
+    orders, same_order, same_decision, n = 0, 0, 0, 0
     for r in proxy:
         f = at_full.get((r["model"], r["task"], r["metric"], r["variant"]))
         if f is None:
             continue
         n += 1
-        order = (r["diff"] > 0) == (f["diff"] > 0)
-        same_order += order
+        signs = (_sign(r["diff"]), _sign(f["diff"]))
+        order = "tie" if 0 in signs else "agrees" if signs[0] == signs[1] else "flips"  # a tie orders nothing
+        orders += order != "tie"
+        same_order += order == "agrees"
         same_decision += decided(r["verdict"]) == decided(f["verdict"])
         what = f"{r['variant']}: {r['model']} {r['task']} {r['metric']}"
-        print(
-            f"{what[:46]:46}{r['diff']:>+12.4f}{f['diff']:>+12.4f}  {'agrees' if order else 'flips':8}"
-            f"{decided(r['verdict']):>16}{decided(f['verdict']):>16}"
-        )
+        print(f"{what[:46]:46}{r['diff']:>+12.4f}{f['diff']:>+12.4f}  {order:8}{decided(r['verdict']):>16}{decided(f['verdict']):>16}")
     if n:
-        print(f"pairwise orders that agree across scale: {same_order}/{n} ({same_order / n:.0%})")
+        print(f"pairwise orders that agree across scale: {same_order}/{orders} (the other {n - orders} metrics tie at one scale)")
         print(f"decisions (better / worse / none) that agree: {same_decision}/{n} ({same_decision / n:.0%})")
+
+
+def _sign(diff: float) -> int:
+    return (diff > 0) - (diff < 0)
 
 
 if __name__ == "__main__":
