@@ -739,10 +739,13 @@ def test_eval_of_a_mirror_finds_every_version_an_ablation_left_there(tmp_path, b
 def test_two_hosts_scoring_one_model_in_one_bucket_keep_each_others_results(bucket, monkeypatch):
     """Each host has its own claim lock, so both may score a model at once: host B commits its task while host A
     writes its own; A's commit must not drop B's (a record read, changed and written back would)."""
+    import s3fs
+
     from tasks.evaluation.results import ModelRef, ResultStore
 
     fs, name, s3 = bucket
     host_a, host_b = (ResultStore(f"s3://{name}/evals/results", s3) for _ in range(2))
+    host_b.fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3.endpoint_url}, skip_instance_cache=True)  # its own cache
     model = ModelRef(f"s3://{name}/m", "f" * 24, "base", "model", "base")
     first = type(host_a.fs).mv
     interleaved = []
@@ -757,13 +760,15 @@ def test_two_hosts_scoring_one_model_in_one_bucket_keep_each_others_results(buck
     record = host_a.put(model, {"smol_arithmetic_cf": {"acc": 0.5}}, "k", None, 3.0)
     assert interleaved and set(record["tasks"]) == {"smol_arithmetic_cf", "smol_ppl_code"}
     assert record["seconds"] == 5.0 and host_b.pending(model, ["smol_arithmetic_cf", "smol_ppl_code"], "k") == []
+    host_a.all()  # host A has listed the store; host B adds a result: A's next read lists afresh, not from its cache
+    host_b.put(model, {"smol_ppl_prose": {"bits_per_byte": 2.5}}, "k", None, 1.0)
+    assert "smol_ppl_prose" in host_a.get(model.fingerprint)["tasks"]
     # a record of the earlier layout (one object per model) still reads, merged with the objects written since
     fs.pipe(
         f"{name}/evals/results/{'e' * 24}.json",
         json.dumps({"fingerprint": "e" * 24, "model": model.info(), "tasks": {"old": {"key": "k"}}}).encode(),
     )
-    fs.invalidate_cache()
     assert {r["fingerprint"]: sorted(r["tasks"]) for r in host_a.all()} == {
         "e" * 24: ["old"],
-        "f" * 24: ["smol_arithmetic_cf", "smol_ppl_code"],
+        "f" * 24: ["smol_arithmetic_cf", "smol_ppl_code", "smol_ppl_prose"],
     }

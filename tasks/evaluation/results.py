@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -258,6 +259,11 @@ class ResultStore:
         self.fs, self.root = filesystem(self.url, s3)
         self.lock_dir = Path(lock_dir or (Path(url) / ".locks" if "://" not in url else Path(".smolflow") / "eval-locks"))
 
+    def _list(self, pattern: str) -> list[str]:
+        """A fresh listing: s3fs caches listings, and another host's objects would not be in this host's cache."""
+        self.fs.invalidate_cache(self.root)
+        return self.fs.glob(f"{self.root}/{pattern}")
+
     def _read(self, paths: list[str]) -> list[dict[str, Any]]:
         out = []
         for path in sorted(paths):  # FP.json (earlier versions' whole record) sorts before FP.TASK.json
@@ -269,7 +275,7 @@ class ResultStore:
         return out
 
     def get(self, fingerprint: str) -> dict[str, Any] | None:
-        return _merged(self._read(self.fs.glob(f"{self.root}/{fingerprint}.json") + self.fs.glob(f"{self.root}/{fingerprint}.*.json")))
+        return _merged(self._read(self._list(f"{fingerprint}.json") + self._list(f"{fingerprint}.*.json")))
 
     def pending(self, model: ModelRef, tasks: list[str], key: str) -> list[str]:
         """Tasks this model has no result for under this evaluation identity (`eval_key`)."""
@@ -289,7 +295,7 @@ class ResultStore:
         return self.get(model.fingerprint) or {}
 
     def _write(self, name: str, record: dict[str, Any]) -> None:
-        tmp = f"{self.root}/.{name}.tmp"
+        tmp = f"{self.root}/.{name}.{uuid.uuid4().hex[:8]}.tmp"  # two hosts writing one result never share a temporary
         try:
             with self.fs.open(tmp, "w") as f:
                 json.dump(record, f, sort_keys=True, separators=(",", ":"))  # compact: item outcomes run to thousands of numbers
@@ -306,12 +312,12 @@ class ResultStore:
 
     def files(self, fingerprint: str) -> list[str]:
         """The names of a model's objects (a run's mirror copies them)."""
-        return sorted(Path(p).name for p in self.fs.glob(f"{self.root}/{fingerprint}.*.json"))
+        return sorted(Path(p).name for p in self._list(f"{fingerprint}.*.json"))
 
     def all(self) -> list[dict[str, Any]]:
         """Every model's record."""
         objects: dict[str, list[dict[str, Any]]] = {}
-        for record in self._read(self.fs.glob(f"{self.root}/*.json")):
+        for record in self._read(self._list("*.json")):
             objects.setdefault(record["fingerprint"], []).append(record)
         return [r for fp in sorted(objects) if (r := _merged(objects[fp]))]
 
