@@ -227,13 +227,13 @@ def remote_fingerprint(fs, folder: str, sub: str, files: dict[str, Any]) -> tupl
     return fingerprint_listing({rel: r["md5"] for rel, r in record.items()}), None
 
 
-def _merged(objects: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _merged(fingerprint: str, objects: list[dict[str, Any]]) -> dict[str, Any] | None:
     """One model's record from its objects: every task (the newest object's for a task stored twice), the seconds
     of all its evaluations, the time of the last."""
     if not objects:
         return None
     objects = sorted(objects, key=lambda r: r.get("evaluated_at", ""))
-    record = {"fingerprint": objects[0]["fingerprint"], "model": objects[-1]["model"], "tasks": {}}
+    record = {"fingerprint": fingerprint, "model": objects[-1].get("model", {}), "tasks": {}}
     for o in objects:
         record["tasks"] |= o["tasks"]
     record["seconds"] = round(sum(o.get("seconds", 0.0) for o in objects), 2)
@@ -264,18 +264,20 @@ class ResultStore:
         self.fs.invalidate_cache(self.root)
         return self.fs.glob(f"{self.root}/{pattern}")
 
-    def _read(self, paths: list[str]) -> list[dict[str, Any]]:
-        out = []
+    def _read(self, paths: list[str]) -> dict[str, list[dict[str, Any]]]:
+        """fingerprint (the part of the name before its first dot) -> the objects read."""
+        out: dict[str, list[dict[str, Any]]] = {}
         for path in sorted(paths):  # FP.json (earlier versions' whole record) sorts before FP.TASK.json
             try:
                 with self.fs.open(path, "rb") as f:
-                    out.append(json.loads(f.read()))
+                    out.setdefault(Path(path).name.split(".")[0], []).append(json.loads(f.read()))
             except FileNotFoundError:
                 continue
         return out
 
     def get(self, fingerprint: str) -> dict[str, Any] | None:
-        return _merged(self._read(self._list(f"{fingerprint}.json") + self._list(f"{fingerprint}.*.json")))
+        objects = self._read(self._list(f"{fingerprint}.json") + self._list(f"{fingerprint}.*.json"))
+        return _merged(fingerprint, objects.get(fingerprint, []))
 
     def pending(self, model: ModelRef, tasks: list[str], key: str) -> list[str]:
         """Tasks this model has no result for under this evaluation identity (`eval_key`)."""
@@ -316,10 +318,8 @@ class ResultStore:
 
     def all(self) -> list[dict[str, Any]]:
         """Every model's record."""
-        objects: dict[str, list[dict[str, Any]]] = {}
-        for record in self._read(self._list("*.json")):
-            objects.setdefault(record["fingerprint"], []).append(record)
-        return [r for fp in sorted(objects) if (r := _merged(objects[fp]))]
+        objects = self._read(self._list("*.json"))
+        return [r for fp in sorted(objects) if (r := _merged(fp, objects[fp]))]
 
     @contextmanager
     def claim(self, fingerprint: str) -> Iterator[bool]:
