@@ -217,20 +217,22 @@ def test_minhash_signatures_hash_the_same_shingles_as_datatrove():
     assert len(ours.get_shingles(texts[1])) > 0 and len(ours.get_shingles(texts[2])) == 0
 
 
-def _slow_rank(data, rank: int, world_size: int):
-    """A pipeline step that says it started (its pid), then works for a minute."""
+def _slow_rank(data, rank: int, world_size: int, folder: str):
+    """A pipeline step that says it started (its pid, in FOLDER), then works for a minute. (FOLDER is an argument:
+    the pool's workers come from a forkserver that an earlier test may have started, with that test's environment.)"""
     import os
     import time
     from pathlib import Path
 
-    Path(os.environ["SLOW_RANKS"], f"{rank}.pid").write_text(str(os.getpid()))
+    Path(folder, f"{rank}.pid").write_text(str(os.getpid()))
     time.sleep(60)
     return data
 
 
-def test_a_stopping_process_interrupts_its_local_curation_workers_and_keeps_completed_ranks(tmp_path, monkeypatch):
+def test_a_stopping_process_interrupts_its_local_curation_workers_and_keeps_completed_ranks(tmp_path):
     """A signal reaches an ablation's curation thread only as STOPPING: the pool's ranks in flight are interrupted,
     no further rank starts, and nothing is marked complete that did not finish."""
+    import functools
     import threading
     import time
 
@@ -240,8 +242,8 @@ def test_a_stopping_process_interrupts_its_local_curation_workers_and_keeps_comp
     from infra.procs import STOPPING
     from infra.recipe import ExecutorCfg
 
-    monkeypatch.setenv("SLOW_RANKS", str(tmp_path))
-    executor = pipelines.make_executor(ExecutorCfg(kind="local", workers=2), [_slow_rank], tmp_path / "logs", 4, "slow")
+    slow = functools.partial(_slow_rank, folder=str(tmp_path))
+    executor = pipelines.make_executor(ExecutorCfg(kind="local", workers=2), [slow], tmp_path / "logs", 4, "slow")
     raised: list[BaseException] = []
     thread = threading.Thread(target=lambda: raised.extend(_raises(executor.run)))
     thread.start()
