@@ -240,14 +240,16 @@ def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds
     from flows.swarm import swarm_flow
 
     # the micro recipe holds out no math documents: its bits per byte cannot be a target
-    path = swarm_file(tmp_path, concurrency=2, bounds={"math": [0.05, 0.5]}, targets={"smol_ppl_code": 1.0, "smol_ppl_prose": 2.0})
+    targets = {"smol_ppl_code": 1.0, "smol_ppl_prose": 2.0}
+    # the validation at 2x the proxies' tokens (4x by default): it trains 6 runs, the most of this test's work
+    path = swarm_file(tmp_path, concurrency=2, bounds={"math": [0.05, 0.5]}, targets=targets, validation={"scale": 2})
     root = tmp_path / "sw"
     report = Path(swarm_flow(str(path), str(root)))
 
     builds = [json.loads(line)["folder"].rsplit("-", 1)[0] for line in (root / "steps" / "builds.jsonl").read_text().splitlines()]
     assert builds.count("tokenize") == 1 and builds.count("filter") == 1, "curation is built once for every proxy"
     # the prior's proxy shares the curation run's mixtures step; every other proxy draws its own
-    # 4 proxies, then the 3 mixtures x 2 seeds at 4x (a mixtures step per mixture, which its seeds share)
+    # 4 proxies, then the 3 mixtures x 2 seeds at 2x (a mixtures step per mixture, which its seeds share)
     mixed = {v: json.loads((root / "validate" / f"{v}-seed0" / "mixtures" / "mixtures.json").read_text()) for v in VALIDATED}
     distinct = len({json.dumps(m, sort_keys=True) for m in mixed.values()})
     assert builds.count("mixtures") == 4 + distinct and builds.count("pretrain_phase1") == 4 + 2 * distinct
@@ -272,7 +274,7 @@ def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds
     # cost: each proxy's own mixtures and pretraining steps, the 7 curation steps all share
     assert "the proxies' own steps" in text and "(8 steps, " in text and "7 steps shared by the proxies" in text
 
-    # the validation: the proposal, the prior and the natural mixture at 4x the proxies' tokens, 2 seeds each
+    # the validation: the proposal, the prior and the natural mixture at 2x the proxies' tokens, 2 seeds each
     validation = {d.name for d in (root / "validate").iterdir() if (d / "recipe.json").is_file()}
     assert validation == {f"{v}-seed{k}" for v in VALIDATED for k in (0, 1)}
     phase1 = lambda run: mixed[run.removesuffix("-seed0").removesuffix("-seed1")]["phases"][0]  # noqa: E731
@@ -282,7 +284,7 @@ def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds
     natural = {s: r["weight"] for s, r in phase1("natural-seed0")["sources"].items()}
     assert natural == pytest.approx({s: n / sum(tokens.values()) for s, n in tokens.items()}, abs=1e-3)
     assert builds.count("tokenize") == 1, "the validation reads the proxies' curation from their store"
-    assert "## Validation at 4x the proxies' tokens, 2 seeds" in text and "pairs of these mixtures as the larger runs do" in text
+    assert "## Validation at 2x the proxies' tokens, 2 seeds" in text and "pairs of these mixtures as the larger runs do" in text
     compared = json.loads((root / "validate" / "report" / "ablation.json").read_text())["rows"]
     assert {e["task"] for e in compared if e["variant"] == "proposed" and "verdict" in e} == {"smol_ppl_code", "smol_ppl_prose"}
 
