@@ -393,11 +393,12 @@ app.add_typer(evals_app, name="evals")
 
 @evals_app.command("audit")
 def evals_audit(
-    run_dirs: Annotated[list[Path], typer.Argument(help="One run dir, or the runs of an ablation (seeds, variants).", show_default=False)],
+    run_dirs: Annotated[list[Path], typer.Argument(help="One run dir, or seeds of one recipe.", show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON instead of a table.")] = False,
 ) -> None:
     """Which eval tasks carry signal at this scale, over the pretraining checkpoints of RUN_DIRS: monotonicity
-    (Spearman vs tokens), noise (across runs, else over the last checkpoints), signal-to-noise, distance from chance,
+    (Spearman vs tokens), noise (across the runs, taken as seeds; one run: its last checkpoints' jitter about their
+    trend), signal-to-noise, distance from chance,
     and with several runs ranking consistency (Kendall) between successive checkpoints. Each task gets a verdict:
     usable early, usable late, or no signal at this scale (the report card shows the same table)."""
     import json
