@@ -157,7 +157,7 @@ def _noise_floor(ablation: Ablation, per_run, users) -> str:
         run, steps, _ = base[0]
         scored = run.recipe.evaluation.checkpoint_tasks and any(s.checkpoints for s in steps)
         how = (
-            f"for the pretrained model's tasks, the spread of its last {NOISE_WINDOW} checkpoints' scores where it has "
+            f"for the pretrained model's tasks, the jitter of its last {NOISE_WINDOW} checkpoints' scores about their trend where it has "
             f"{2 * NOISE_WINDOW} or more (no extra cost; it misses what another initialisation moves a score by); else none, "
             "and those verdicts will say so"
             if scored

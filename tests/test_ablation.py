@@ -143,7 +143,7 @@ def test_an_ablation_of_a_recipe_with_a_project_store_finds_what_a_plain_run_bui
     table = {line.split()[0]: line.split()[1:] for line in lines if line.split()}
     assert table["tokenize"] == ["cached*", "cached*"] and table["pretrain_long_context"] == ["cached*", "cached*"]
     assert table["sft"] == ["build", "build"] and any(f"cached in {tmp_path / 'steps'}" in line for line in lines)
-    assert lines[-1].startswith("Noise floor: one seed of slow: for the pretrained model's tasks, the spread of its last 4 checkpoints")
+    assert lines[-1].startswith("Noise floor: one seed of slow: for the pretrained model's tasks, the jitter of its last 4 checkpoints")
 
 
 # two SFT learning rates: curation, pretraining and the chat data are shared, SFT is built per variant
