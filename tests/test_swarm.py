@@ -278,7 +278,7 @@ def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds
     validation = {d.name for d in (root / "validate").iterdir() if (d / "recipe.json").is_file()}
     assert validation == {f"{v}-seed{k}" for v in VALIDATED for k in (0, 1)}
     phase1 = lambda run: mixed[run.removesuffix("-seed0").removesuffix("-seed1")]["phases"][0]  # noqa: E731
-    assert phase1("prior-seed0")["tokens"] == 4 * 8000
+    assert phase1("prior-seed0")["tokens"] == 2 * 8000
     assert {s: r["weight"] for s, r in phase1("proposed-seed1")["sources"].items()} == pytest.approx(proposal, abs=1e-6)
     tokens = {s: r["available"] for s, r in phase1("natural-seed0")["sources"].items()}
     natural = {s: r["weight"] for s, r in phase1("natural-seed0")["sources"].items()}
