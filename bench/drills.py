@@ -4,11 +4,13 @@
 
 1. Reference: the pipeline (curate -> pretrain -> SFT -> pairs -> APO -> GRPO -> evaluate) runs once.
 2. Kill drill: the same pipeline in a fresh run dir is SIGKILLed N times, each time while a chosen
-   target runs (N/5 each, in pipeline order: a pretraining trainer and an evaluation child alternately,
-   then SFT, APO, GRPO), either the whole flow process group or only that process, and restarted. A watcher counts trainers alive at once.
+   target runs (N/6 each, in pipeline order: curation with its pool workers, a pretraining trainer and an
+   evaluation child alternately, then SFT, APO, GRPO), either the whole flow process group or only that
+   process, and restarted. A watcher counts trainers alive at once. After each kill of the whole run, a
+   census of the processes carrying its tree mark (infra/procs.py): what is left 20 s later is an orphan.
    Afterwards: it completed, every kept checkpoint is complete, no lock is left, no two trainers ever
-   ran at once, and final metrics (losses per stage, post-training curves, every evaluation) equal
-   the reference's.
+   ran at once, no orphan, and final metrics (losses per stage, post-training curves, every evaluation)
+   equal the reference's.
 3. S3 drill: pretraining mirrors to a moto S3 server reached through a TCP proxy, cut for
    --outage-seconds (longer than the upload retry budget) while a checkpoint uploads. Afterwards every
    step and checkpoint is on S3 with its marker, and no upload was given up.
@@ -62,6 +64,7 @@ QUICK = [  # a short ladder that still yields preference pairs (a weak and a str
 ]
 # what each kill waits for: a process whose command line holds the marker, or a stage's partial folder
 TARGETS = {
+    "curation": (None, "filter"),  # datatrove's pool workers run its shards
     "trainer": ("model.train", None),
     "evaluator": ("tasks.evaluation.harness", None),
     "sft": (None, "sft"),
@@ -158,7 +161,8 @@ class TrainerWatch:
 def pending(run_dir: Path) -> list[str]:
     """The targets whose stage has not finished yet (the evaluator scores until the report card is written)."""
     done = lambda step: (run_dir / step / "manifest.json").exists()  # noqa: E731
-    left = [] if done("pretrain_long_context") else ["trainer"]
+    left = [] if done("mixtures") else ["curation"]
+    left += [] if done("pretrain_long_context") else ["trainer"]
     left += [stage for stage in ("sft", "apo", "grpo") if not done(stage)]
     return left + ([] if (run_dir / "reports" / "card.md").exists() else ["evaluator"])
 
@@ -182,14 +186,34 @@ def wait_for(target: str, proc: subprocess.Popen, run_dir: Path, timeout_s: floa
     raise TimeoutError(target)
 
 
+def tree_mark(proc: subprocess.Popen) -> str:
+    """The mark the CLI process gives what it starts (infra/procs.py `reap_when_gone`)."""
+    return f"{proc.pid}:{psutil.Process(proc.pid).create_time()}"
+
+
+def orphans(mark: str, wait_s: float = 20) -> list[str]:
+    """What still carries a gone flow process's tree mark WAIT_S after it ended; killed, then named."""
+    from infra.procs import census, kill_tree
+
+    deadline = time.time() + wait_s
+    while (left := census(mark)) and time.time() < deadline:
+        time.sleep(0.5)
+    named = [f"pid {p.pid}: {' '.join(p.cmdline()[:4])}" for p in left]
+    for proc in left:
+        kill_tree(proc)
+    return named
+
+
 def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tuple[int, int, list[str]]:
     """Returns (kills made, most trainers alive at once, problems)."""
     run_dir, log = work / "killed", work / "killed.log"
     each = max(1, kills // len(TARGETS))  # spread over the stages in pipeline order; the evaluator alongside pretraining
-    plan = ["trainer", "evaluator"] * each + [t for t in TARGETS if t not in ("trainer", "evaluator") for _ in range(each)]
+    plan = ["curation"] * each + ["trainer", "evaluator"] * each
+    plan += [t for t in TARGETS if t not in ("curation", "trainer", "evaluator") for _ in range(each)]
     plan += ["evaluator"] * (kills - len(plan))
-    watch, made = TrainerWatch(run_dir), 0
+    watch, made, left = TrainerWatch(run_dir), 0, []
     proc = start_pipeline(recipe, run_dir, log)
+    mark = tree_mark(proc)
     while made < kills and plan and pending(run_dir):
         target = plan[0]
         try:
@@ -197,7 +221,9 @@ def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tupl
         except TimeoutError:
             if proc.poll() is not None and proc.returncode != 0:
                 print("  the run failed after a kill; restarting it", flush=True)
+                left += orphans(mark)
                 proc = start_pipeline(recipe, run_dir, log)
+                mark = tree_mark(proc)
             elif proc.poll() is not None:
                 break  # finished
             else:
@@ -205,7 +231,7 @@ def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tupl
                 plan.append("evaluator")
             continue
         plan.pop(0)
-        time.sleep(rng.uniform(0.5, 6))  # somewhere inside the stage, not at its first instant
+        time.sleep(rng.uniform(0.2, 1) if target == "curation" else rng.uniform(0.5, 6))  # inside the stage, not at its first instant
         if victim is not None and rng.random() < 0.5:
             try:
                 victim.kill()  # the task fails and retries, resuming: the run goes on
@@ -217,18 +243,29 @@ def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tupl
             proc.wait()
             what = f"the whole run while the {target} ran"
         made += 1
-        print(f"  kill {made}: SIGKILL {what}; finished steps so far: {len(list(run_dir.glob('*/manifest.json')))}", flush=True)
+        found = orphans(mark) if proc.poll() is not None else []
+        left += found
+        print(
+            f"  kill {made}: SIGKILL {what}; finished steps so far: {len(list(run_dir.glob('*/manifest.json')))}"
+            + (f"; orphans 20 s later: {len(found)}" if proc.poll() is not None else ""),
+            flush=True,
+        )
         if proc.poll() is not None:
             proc = start_pipeline(recipe, run_dir, log)
+            mark = tree_mark(proc)
     for _ in range(4):  # finish: a kill of a child may have failed the run; the rerun resumes
         if proc.wait() == 0:
             break
         print("  the run after the kills failed; rerunning it", flush=True)
+        left += orphans(mark)
         proc = start_pipeline(recipe, run_dir, log)
+        mark = tree_mark(proc)
     else:
         return made, watch.stop(), [f"the pipeline did not complete after the kills (see {log})"]
+    left += orphans(mark)  # a run that ended well leaves nothing either
     most = watch.stop()
     problems = integrity(run_dir) + ([f"{most} trainers were alive at once: {watch.seen[:3]}"] if most > 1 else [])
+    problems += [f"outlived its run: {name}" for name in left]
     return made, most, problems
 
 

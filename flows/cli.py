@@ -3,6 +3,7 @@ what a run would do (`--dry-run`), score models, rebuild the report card, manage
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Annotated
 
@@ -31,6 +32,20 @@ SetOpt = Annotated[
         "or apply an overlay file of such keys: --set @configs/overlays/slurm.yaml.",
     ),
 ]
+
+
+def runs_flows(command):
+    """For a command that runs flows in this process: what it starts from here on, Prefect's temporary API
+    server included, is killed once the process is gone, however it ends (infra/procs.py `reap_when_gone`)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        from infra.procs import reap_when_gone
+
+        reap_when_gone()
+        return command(*args, **kwargs)
+
+    return wrapper
 
 
 def _fail(err: SmolflowError) -> None:
@@ -195,6 +210,7 @@ def _run_flow(flow_fn, recipe: Path, run_dir: str | None, overrides: list[str], 
 
 
 @app.command()
+@runs_flows
 def run(
     recipe: RecipeArg,
     run_dir: RunDirOpt = None,
@@ -218,6 +234,7 @@ def run(
 
 
 @app.command()
+@runs_flows
 def stage(
     name: Annotated[str, typer.Argument(help="Stage to run: curate, pretrain, sft, preference, apo, grpo, evaluate.", show_default=False)],
     recipe: RecipeArg,
@@ -236,6 +253,7 @@ def stage(
 
 
 @app.command()
+@runs_flows
 def ablate(
     ablation: Annotated[Path, typer.Argument(help="Ablation file, e.g. configs/ablations/apo_vs_dpo.yaml.", show_default=False)],
     run_dir: Annotated[str | None, typer.Option("--run-dir", help="Folder of the ablation (default: runs/ablations/<name>).")] = None,
@@ -264,6 +282,7 @@ def ablate(
 
 
 @app.command()
+@runs_flows
 def swarm(
     swarm_file: Annotated[Path, typer.Argument(help="Swarm file, e.g. configs/swarms/mix_phase1.yaml.", show_default=False)],
     run_dir: Annotated[str | None, typer.Option("--run-dir", help="Folder of the swarm (default: runs/swarms/<name>).")] = None,
@@ -373,6 +392,7 @@ def dashboard(
 
 
 @app.command("eval")
+@runs_flows
 def eval_cmd(
     source: Annotated[str, typer.Argument(help="A run dir or an s3:// prefix of mirrored checkpoints.", show_default=False)],
     recipe: Annotated[Path | None, typer.Option(help="Recipe of the run (default: the source's recipe.json).")] = None,

@@ -38,7 +38,7 @@ import psutil
 
 from infra.env import OFFLINE_DEFAULTS, PRIVATE_UMASK, private_dir, write_private
 from infra.errors import SmolflowError
-from infra.procs import Proc, guarded
+from infra.procs import Proc, detached, guarded
 
 POOL = "smolflow"
 QUEUES = {"default": 1, "eval": 1, "control": 2}  # queue -> concurrency limit
@@ -89,7 +89,7 @@ class Server:
             **({"SLURM_CONF": str(slurm_conf)} if slurm_conf.exists() else {}),
             **({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(ray_token)} if ray_token.exists() else {}),
             **OFFLINE_DEFAULTS,
-            **os.environ,
+            **detached(dict(os.environ)),  # the server and worker outlive whoever starts them
             "PREFECT_HOME": str(self.state / "prefect"),
             "PREFECT_API_URL": self.api_url,
             "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.state / 'prefect.db'}",

@@ -8,6 +8,13 @@ the kernel kills it when the thread that started it dies (PR_SET_PDEATHSIG survi
 further down the tree watch the owner named in SMOLFLOW_OWNER (`watch_owner`), because launchers
 start them in sessions and processes of their own where no signal follows. `--while PID:START`
 runs COMMAND until a process that is not its parent exits (`guarded`).
+
+A flow process marks its tree: every process started after `reap_when_gone()` inherits SMOLFLOW_TREE
+through its environment, however deep and in whatever session (Prefect's temporary API server, pool
+workers, forks, eval and vLLM children), and a reaper (`python -m infra.procs --reap PID:START`, in a
+session of its own) kills what still carries the mark once the flow process is gone, SIGKILL included.
+Daemons meant to outlive it (the local server, worker, Slurm and Ray, Slurm jobs a relaunch follows) are
+started with `detached(env)`, which drops the mark.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ PREEMPTED = 75  # a trainer's exit after a checkpoint forced by SIGTERM/SIGUSR1 
 # kill the others, and srun then reports their signal, not PREEMPTED; the Slurm script requeues on either
 PREEMPTED_MARK = "preempted"
 
+TREE_ENV = "SMOLFLOW_TREE"  # "PID:START" of the flow process whose tree a process belongs to (see module doc)
 OWNER_ENV = "SMOLFLOW_OWNER"  # "PID:START" of the task process that owns a launched tree
 HOST = socket.gethostname()
 
@@ -42,9 +50,11 @@ def stop_on_signals() -> None:
     """Set STOPPING on SIGTERM and SIGINT, then run the handler in place before (Prefect's, which raises in the
     main thread). Called at the top of flow bodies: Prefect installs its handler when a flow starts. Only the
     main thread may install handlers: elsewhere this does nothing. A flow starting in the main thread is no stop
-    in progress, so an earlier one's (a notebook's Ctrl-C) is cleared."""
+    in progress, so an earlier one's (a notebook's Ctrl-C) is cleared. What the flow starts is reaped with it
+    (`reap_when_gone`)."""
     if threading.current_thread() is not threading.main_thread():
         return
+    reap_when_gone()
     STOPPING.clear()
     for sig in (signal.SIGTERM, signal.SIGINT):
         before = signal.getsignal(sig)
@@ -132,6 +142,63 @@ def watch_owner(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, daemon=True, name="watch-owner").start()
 
 
+def detached(env: dict[str, str]) -> dict[str, str]:
+    """ENV without the tree mark: for a daemon or job meant to outlive the flow process that starts it."""
+    return {k: v for k, v in env.items() if k != TREE_ENV}
+
+
+def census(token: str) -> list[psutil.Process]:
+    """This user's live processes that carry the tree mark TOKEN ("PID:START")."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.uids().real == os.getuid() and proc.environ().get(TREE_ENV) == token and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            pass  # gone, or not ours to read
+    return found
+
+
+def reap_when_gone() -> None:
+    """Mark the processes this one starts from now on, and have them killed when it is gone (see module doc).
+    Once per process: a second call, or one in a process whose reaper runs already, does nothing."""
+    me = Proc.of()
+    token = f"{me.pid}:{me.started}"
+    if os.environ.get(TREE_ENV) == token:
+        return
+    import subprocess
+
+    os.environ[TREE_ENV] = token
+    reaper = [sys.executable, "-m", "infra.procs", "--reap", token]
+    cwd = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: `-m infra.procs` resolves there
+    subprocess.Popen(
+        reaper,
+        env=detached(dict(os.environ)),
+        cwd=cwd,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def reap(token: str, poll_s: float = 0.5, grace_s: float = 5.0) -> None:
+    """Wait until the process TOKEN names is gone, then SIGTERM what carries its mark, SIGKILL after GRACE_S."""
+    pid, started = token.split(":")
+    owner = Proc(HOST, int(pid), float(started))
+    while owner.process() is not None:
+        time.sleep(poll_s)
+    left = census(token)
+    for proc in left:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(left, timeout=grace_s)
+    for proc in alive:
+        kill_tree(proc)
+
+
 def die_with_parent(expected_parent: int | None = None) -> None:
     """Ask the kernel to SIGKILL this process when its parent thread dies; exit now if it already has."""
     try:
@@ -177,6 +244,9 @@ def run_while(watched: Proc, command: list[str], poll_s: float = 1.0) -> int:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--reap"]:
+        reap(sys.argv[2])
+        return
     if sys.argv[1:2] == ["--while"]:
         _, watched, sep, *command = sys.argv[1:]
         pid, started = watched.split(":")

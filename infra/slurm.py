@@ -25,7 +25,7 @@ from pathlib import Path
 
 from infra.errors import SmolflowError, Stopped
 from infra.launch import stream_lines
-from infra.procs import PREEMPTED, PREEMPTED_MARK, STOPPING
+from infra.procs import PREEMPTED, PREEMPTED_MARK, STOPPING, detached
 from infra.recipe import LauncherCfg
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
@@ -117,7 +117,8 @@ def find(name: str) -> str | None:
 
 
 def submit(script: Path, env: dict[str, str]) -> str:
-    return _run("sbatch", "--parsable", str(script), env=env).strip().split(";")[0]
+    """The job's id; the job is not reaped with the flow process (a relaunch follows it by name)."""
+    return _run("sbatch", "--parsable", str(script), env=detached(env)).strip().split(";")[0]
 
 
 def cancel(job: str, wait_s: float = 120) -> None:

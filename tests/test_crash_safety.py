@@ -344,6 +344,24 @@ def test_a_sigkilled_task_process_takes_its_launcher_and_ranks_with_it(tmp_path)
     assert not alive, f"left running: {alive}"
 
 
+def test_daemons_and_jobs_meant_to_outlive_a_flow_are_started_without_its_tree_mark(tmp_path, monkeypatch):
+    """The reaper kills what carries a dead flow process's mark: the local server and worker, Slurm's and Ray's
+    daemons and Slurm jobs (which a relaunch follows by name) must not carry it."""
+    from flows.cluster import Ray, Slurm
+    from flows.server import Server
+    from infra import slurm
+    from infra.procs import TREE_ENV
+
+    monkeypatch.setenv(TREE_ENV, "1:2.0")
+    assert TREE_ENV not in Server(root=REPO, state=tmp_path).env()
+    assert TREE_ENV not in Slurm(state=tmp_path, port=6817).env()
+    seen: list[dict] = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, env=None, **kw: seen.append(env) or subprocess.CompletedProcess(cmd, 0, "7", ""))
+    slurm.submit(tmp_path / "job.sh", dict(os.environ))
+    Ray.here()._ray("status")
+    assert len(seen) == 2 and all(TREE_ENV not in env for env in seen)
+
+
 def test_secrets_are_refused_as_overrides_and_never_written(tmp_path):
     from infra.recipe import RecipeError, load_recipe
 

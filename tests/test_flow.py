@@ -314,3 +314,35 @@ def test_a_terminated_run_scores_nothing_new_and_exits(tmp_path, prefect_server)
     [latest] = (run_dir / "steps" / ".partial").glob("pretrain_phase1-*/checkpoints/latest.json")
     on_signal = latest.parent / json.loads(latest.read_text())["tag"] / "hf"
     assert run_results(run_dir).get(local_fingerprint(on_signal)) is None, "the checkpoint saved on SIGTERM was scored after it"
+
+
+@pytest.mark.slow
+def test_a_killed_cli_takes_every_process_it_started_with_it_prefects_temporary_server_included(tmp_path):
+    """SIGKILL of `smolflow stage curate` alone (not its group), with no Prefect server set: Prefect's temporary
+    API server, the pool's forkserver and its workers carry the CLI's tree mark and are reaped within seconds."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from infra.procs import TREE_ENV, census
+
+    recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe(**{"executor.workers": 2}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}  # Prefect starts its temporary server
+    cmd = [str(Path(sys.executable).parent / "smolflow"), "stage", "curate", str(recipe), "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cli = psutil.Process(proc.pid)
+    token = f"{cli.pid}:{cli.create_time()}"
+    deadline = time.time() + 300
+    while not (tmp_path / "run" / ".partial").exists():  # the server is up and a step is being built
+        assert time.time() < deadline and proc.poll() is None, "the curate run never started a step"
+        time.sleep(0.2)
+    marked = census(token)
+    server = [p for p in marked if "uvicorn" in p.cmdline()]
+    assert server, f"Prefect's temporary server does not carry {TREE_ENV}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    _, alive = psutil.wait_procs(marked, timeout=30)
+    assert not alive, f"outlived the killed CLI: {[' '.join(p.cmdline()[:4]) for p in alive]}"
+    assert not census(token)

@@ -276,7 +276,7 @@ class ResultStore:
         return out
 
     def get(self, fingerprint: str) -> dict[str, Any] | None:
-        objects = self._read(self._list(f"{fingerprint}.json") + self._list(f"{fingerprint}.*.json"))
+        objects = self._read(self._list(f"{fingerprint}*.json"))  # FP.json and FP.TASK.json; another FP is dropped by name
         return _merged(fingerprint, objects.get(fingerprint, []))
 
     def pending(self, model: ModelRef, tasks: list[str], key: str) -> list[str]:
