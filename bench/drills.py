@@ -5,9 +5,10 @@
 1. Reference: the pipeline (curate -> pretrain -> SFT -> pairs -> APO -> GRPO -> evaluate) runs once.
 2. Kill drill: the same pipeline in a fresh run dir is SIGKILLed N times, each time while a chosen
    target runs (N/6 each, in pipeline order: curation with its pool workers, a pretraining trainer and an
-   evaluation child alternately, then SFT, APO, GRPO), either the whole flow process group or only that
-   process, and restarted. A watcher counts trainers alive at once. After each kill of the whole run, a
-   census of the processes carrying its tree mark (infra/procs.py): what is left 20 s later is an orphan.
+   evaluation child alternately, then SFT, APO, GRPO), either that process, the flow process's whole
+   group, or the flow process alone (as the OOM killer would), and restarted. A watcher counts trainers
+   alive at once. After each kill of the flow process, a census of the processes carrying its tree mark
+   (infra/procs.py): what is left 20 s later is an orphan.
    Afterwards: it completed, every kept checkpoint is complete, no lock is left, no two trainers ever
    ran at once, no orphan, and final metrics (losses per stage, post-training curves, every evaluation)
    equal the reference's.
@@ -206,6 +207,8 @@ def orphans(mark: str, wait_s: float = 20) -> list[str]:
 
 def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tuple[int, int, list[str]]:
     """Returns (kills made, most trainers alive at once, problems)."""
+    from infra.procs import census
+
     run_dir, log = work / "killed", work / "killed.log"
     each = max(1, kills // len(TARGETS))  # spread over the stages in pipeline order; the evaluator alongside pretraining
     plan = ["curation"] * each + ["trainer", "evaluator"] * each
@@ -239,15 +242,20 @@ def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tupl
                 continue
             what = f"only the {target} (pid {victim.pid})"
         else:
-            os.killpg(proc.pid, signal.SIGKILL)
+            marked = len(census(mark))
+            if rng.random() < 0.5:
+                os.killpg(proc.pid, signal.SIGKILL)
+                what = f"the whole run's process group while the {target} ran"
+            else:  # as the OOM killer would: what it started lives on unless reaped
+                proc.kill()
+                what = f"the flow process alone while the {target} ran"
             proc.wait()
-            what = f"the whole run while the {target} ran"
         made += 1
         found = orphans(mark) if proc.poll() is not None else []
         left += found
         print(
             f"  kill {made}: SIGKILL {what}; finished steps so far: {len(list(run_dir.glob('*/manifest.json')))}"
-            + (f"; orphans 20 s later: {len(found)}" if proc.poll() is not None else ""),
+            + (f"; marked processes: {marked} at the kill, {len(found)} 20 s later" if proc.poll() is not None else ""),
             flush=True,
         )
         if proc.poll() is not None:
