@@ -97,6 +97,14 @@ def test_a_seed_study_varies_every_trainer_seed_together_and_shares_curation(tmp
         open_ablation(str(typo))
 
 
+def test_every_shipped_ablation_file_opens_and_names_its_runs(tmp_path):
+    from flows.ablation import open_ablation
+
+    for path in sorted((REPO / "configs" / "ablations").glob("*.yaml")):
+        abl = open_ablation(str(path), str(tmp_path / path.stem))
+        assert len(abl.runs) >= 2 and len({r.name for r in abl.runs}) == len(abl.runs), path
+
+
 def test_the_ladder_holds_only_where_a_rung_climbs_beyond_noise_in_every_run(tmp_path):
     from infra.summaries import HeldoutEval, outcomes
     from tasks.evaluation.compare import ladder_by_run
