@@ -189,7 +189,9 @@ def wait_for(target: str, proc: subprocess.Popen, run_dir: Path, timeout_s: floa
 
 def tree_mark(proc: subprocess.Popen) -> str:
     """The mark the CLI process gives what it starts (infra/procs.py `reap_when_gone`)."""
-    return f"{proc.pid}:{psutil.Process(proc.pid).create_time()}"
+    from infra.procs import Proc
+
+    return Proc.of(proc.pid).token
 
 
 def orphans(mark: str, wait_s: float = 20) -> list[str]:

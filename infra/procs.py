@@ -91,6 +91,16 @@ class Proc:
     def dump(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def token(self) -> str:
+        """ "PID:START": how this process is named to another on this host (SMOLFLOW_OWNER, SMOLFLOW_TREE, --while)."""
+        return f"{self.pid}:{self.started}"
+
+    @classmethod
+    def parse(cls, token: str) -> Proc:
+        pid, started = token.split(":")
+        return cls(HOST, int(pid), float(started))
+
     def process(self) -> psutil.Process | None:
         """The live process on this host, or None (gone, another host's, or its pid reused)."""
         if self.host != HOST:
@@ -118,8 +128,7 @@ def kill_tree(pid: int | psutil.Process) -> None:
 
 
 def owner_env() -> dict[str, str]:
-    me = Proc.of()
-    return {OWNER_ENV: f"{me.pid}:{me.started}"}
+    return {OWNER_ENV: Proc.of().token}
 
 
 def watch_owner(poll_s: float = 1.0) -> None:
@@ -127,8 +136,7 @@ def watch_owner(poll_s: float = 1.0) -> None:
     value = os.environ.get(OWNER_ENV)
     if not value:
         return
-    pid, started = value.split(":")
-    owner = Proc(HOST, int(pid), float(started))
+    owner = Proc.parse(value)
 
     def watch() -> None:
         while owner.process() is not None:
@@ -162,8 +170,7 @@ def census(token: str) -> list[psutil.Process]:
 def reap_when_gone() -> None:
     """Mark the processes this one starts from now on, and have them killed when it is gone (see module doc).
     Once per process: a second call, or one in a process whose reaper runs already, does nothing."""
-    me = Proc.of()
-    token = f"{me.pid}:{me.started}"
+    token = Proc.of().token
     if os.environ.get(TREE_ENV) == token:
         return
     import subprocess
@@ -184,8 +191,7 @@ def reap_when_gone() -> None:
 
 def reap(token: str, poll_s: float = 0.5, grace_s: float = 5.0) -> None:
     """Wait until the process TOKEN names is gone, then SIGTERM what carries its mark, SIGKILL after GRACE_S."""
-    pid, started = token.split(":")
-    owner = Proc(HOST, int(pid), float(started))
+    owner = Proc.parse(token)
     while owner.process() is not None:
         time.sleep(poll_s)
     left = census(token)
@@ -217,7 +223,7 @@ def tethered(command: list[str]) -> list[str]:
 def guarded(server: Proc, command: list[str]) -> list[str]:
     """COMMAND, stopped as soon as SERVER exits (`run_while`): for a client that sends SERVER's secret with every
     request (the Prefect worker, the auth string), which must not go on sending it to whoever binds the port next."""
-    return [sys.executable, "-m", "infra.procs", "--while", f"{server.pid}:{server.started}", "--", *command]
+    return [sys.executable, "-m", "infra.procs", "--while", server.token, "--", *command]
 
 
 def run_while(watched: Proc, command: list[str], poll_s: float = 1.0) -> int:
@@ -249,10 +255,9 @@ def main() -> None:
         return
     if sys.argv[1:2] == ["--while"]:
         _, watched, sep, *command = sys.argv[1:]
-        pid, started = watched.split(":")
         if sep != "--" or not command:
             sys.exit("usage: python -m infra.procs --while PID:START -- COMMAND...")
-        sys.exit(run_while(Proc(HOST, int(pid), float(started)), command))
+        sys.exit(run_while(Proc.parse(watched), command))
     parent, sep, *command = sys.argv[1:]
     if sep != "--" or not command:
         sys.exit("usage: python -m infra.procs OWNER_PID -- COMMAND...")

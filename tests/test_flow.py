@@ -326,14 +326,14 @@ def test_a_killed_cli_takes_every_process_it_started_with_it_prefects_temporary_
 
     import psutil
 
-    from infra.procs import TREE_ENV, census
+    from infra.procs import TREE_ENV, Proc, census
 
     recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe(**{"executor.workers": 2}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}  # Prefect starts its temporary server
     cmd = [str(Path(sys.executable).parent / "smolflow"), "stage", "curate", str(recipe), "--run-dir", str(tmp_path / "run")]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cli = psutil.Process(proc.pid)
-    token = f"{cli.pid}:{cli.create_time()}"
+    token = Proc.of(cli.pid).token
     deadline = time.time() + 300
     while not (tmp_path / "run" / ".partial").exists():  # the server is up and a step is being built
         assert time.time() < deadline and proc.poll() is None, "the curate run never started a step"
