@@ -201,8 +201,12 @@ def orphans(mark: str, wait_s: float = 20) -> list[str]:
     deadline = time.time() + wait_s
     while (left := census(mark)) and time.time() < deadline:
         time.sleep(0.5)
-    named = [f"pid {p.pid}: {' '.join(p.cmdline()[:4])}" for p in left]
+    named = []
     for proc in left:
+        try:
+            named.append(f"pid {proc.pid}: {' '.join(proc.cmdline()[:4])}")
+        except psutil.Error:
+            continue  # it ended between the census and now: no orphan
         kill_tree(proc)
     return named
 
