@@ -110,20 +110,17 @@ class Server:
     def pid(self, name: str) -> int | None:
         """The PID of our `name` process if it is alive (and is the process we started)."""
         try:
-            info = json.loads(self._pid_file(name).read_text())
-            proc = psutil.Process(info["pid"])
-            if abs(proc.create_time() - info["created"]) < 1 and proc.status() != psutil.STATUS_ZOMBIE:
-                return info["pid"]
-        except (FileNotFoundError, json.JSONDecodeError, KeyError, psutil.NoSuchProcess):
-            pass
-        return None
+            proc = Proc.load(json.loads(self._pid_file(name).read_text())).process()
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return proc.pid if proc else None
 
     def _spawn(self, name: str, command: list[str]) -> int:
         log = os.fdopen(os.open(self.state / f"{name}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
         proc = subprocess.Popen(  # the database, its WAL and journal, Prefect's home: 0600 under the 0700 state dir
             command, env=self.env(), cwd=self.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, umask=PRIVATE_UMASK
         )
-        write_private(self._pid_file(name), json.dumps({"pid": proc.pid, "created": psutil.Process(proc.pid).create_time()}))
+        write_private(self._pid_file(name), json.dumps(Proc.of(proc.pid).dump()))
         return proc.pid
 
     def healthy(self) -> bool:

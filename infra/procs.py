@@ -77,16 +77,16 @@ def stop_on_signals() -> None:
 class Proc:
     host: str
     pid: int
-    started: float  # psutil create_time: with the pid, names one process for good
+    started: int  # `start_ticks`: with the pid, names one process for good
 
     @classmethod
     def of(cls, pid: int | None = None) -> Proc:
         pid = os.getpid() if pid is None else pid
-        return cls(HOST, pid, psutil.Process(pid).create_time())
+        return cls(HOST, pid, start_ticks(pid))
 
     @classmethod
     def load(cls, data: dict[str, Any]) -> Proc:
-        return cls(str(data.get("host", "")), int(data.get("pid", -1)), float(data.get("started", 0.0)))
+        return cls(str(data.get("host", "")), int(data.get("pid", -1)), int(data.get("started", 0)))
 
     def dump(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,7 +99,7 @@ class Proc:
     @classmethod
     def parse(cls, token: str) -> Proc:
         pid, started = token.split(":")
-        return cls(HOST, int(pid), float(started))
+        return cls(HOST, int(pid), int(started))
 
     def process(self) -> psutil.Process | None:
         """The live process on this host, or None (gone, another host's, or its pid reused)."""
@@ -107,9 +107,17 @@ class Proc:
             return None
         try:
             proc = psutil.Process(self.pid)
-            return proc if abs(proc.create_time() - self.started) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE else None
-        except psutil.Error:
+            return proc if start_ticks(self.pid) == self.started and proc.status() != psutil.STATUS_ZOMBIE else None
+        except (psutil.Error, OSError):
             return None
+
+
+def start_ticks(pid: int) -> int:
+    """When PID started, in clock ticks since boot (/proc/PID/stat). Not psutil's create_time: that adds the boot
+    time as /proc/stat gives it at each call, whole seconds that step when the wall clock is adjusted, so a live
+    process would one day look gone (and its lock taken over, its tree reaped)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22; the name in (...) may hold spaces
 
 
 def kill_tree(pid: int | psutil.Process) -> None:

@@ -144,6 +144,25 @@ def test_a_leftover_trainer_is_killed_by_the_next_holder_but_a_reused_or_foreign
             p.wait()
 
 
+def test_a_process_is_named_by_its_start_since_boot_which_a_wall_clock_step_does_not_move(monkeypatch):
+    """psutil's create_time adds the boot time /proc/stat gives at each call, whole seconds that step when the
+    wall clock is adjusted: a live lock holder, rank owner or flow process must still be found after such a step,
+    or its lock is taken over and its tree reaped under it."""
+    import psutil._pslinux as pslinux
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        me, other = Proc.of(), Proc.of(sleeper.pid)
+        booted = pslinux.boot_time()
+        monkeypatch.setattr(pslinux, "boot_time", lambda: booted + 1.0)  # the step, as psutil would read it
+        assert Proc.parse(me.token).process() is not None
+        assert Proc.load(other.dump()).process().pid == sleeper.pid
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert Proc.load(other.dump()).process() is None, "gone is still gone"
+
+
 def test_the_processes_a_step_launches_carry_its_lease_token(tmp_path):
     """What lets the next holder tell a leftover trainer from any process that happens to have its pid."""
     from infra.launch import launch_env
