@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +31,20 @@ from infra.procs import STOPPING, kill_tree, owner_env, tethered
 from infra.recipe import AccelerateCfg, LauncherCfg
 
 POLL_S = 0.5  # how often a loop that waits on a job or trainer looks at STOPPING
+
+
+class Tail:
+    """An `on_line` that passes each line on and keeps the last few, so an error can quote why a process failed."""
+
+    def __init__(self, on_line: Callable[[str], None], lines: int = 15):
+        self.on_line, self.lines = on_line, deque(maxlen=lines)
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        self.on_line(line)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
 
 
 def free_port() -> int:

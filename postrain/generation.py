@@ -16,14 +16,13 @@ import os
 import sys
 import tempfile
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from infra.env import vllm_build, vllm_engine_args
 from infra.errors import SmolflowError
-from infra.launch import run_streaming
+from infra.launch import Tail, run_streaming
 from infra.procs import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -95,12 +94,12 @@ class VLLMBackend:
             request = Path(tmp) / "request.json"
             request.write_text(json.dumps({"model": self.model_path, "conversations": conversations, "max_new_tokens": max_new_tokens,
                                            "temperature": temperature}))  # fmt: skip
-            tail: deque[str] = deque(maxlen=15)
             env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
             command = [sys.executable, "-m", "postrain.generation", str(request)]
-            code = run_streaming(command, env, lambda line: tail.append(line) or self.on_line(line))
+            tail = Tail(self.on_line)
+            code = run_streaming(command, env, tail)
             if code != 0:
-                raise GenerationFailed(f"vLLM on {self.model_path} exited with code {code}:\n" + "\n".join(tail))
+                raise GenerationFailed(f"vLLM on {self.model_path} exited with code {code}:\n{tail}")
             return json.loads((Path(tmp) / "answers.json").read_text())
 
 

@@ -21,7 +21,7 @@ from prefect.artifacts import create_table_artifact
 from pydantic import create_model
 
 from infra.errors import TrainerFailed
-from infra.launch import accelerate_command, free_port, launch_env, run_streaming
+from infra.launch import Tail, accelerate_command, free_port, launch_env, run_streaming
 from infra.procs import PREEMPTED
 from infra.recipe import AccelerateCfg, ChatDataCfg, GenerationCfg, PreferenceCfg, Recipe, Strict, TrainerCfg, operational
 from infra.steps import FINAL, NoInputs, Step, StepOutput
@@ -135,11 +135,15 @@ def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, dat
     log.info("%s on %d rank(s), ZeRO-%d: %s", stage, cfg.launcher.nproc, cfg.launcher.zero_stage, " ".join(command))
     tracking = tracking_env(run_dir or out) if cfg.tracking else {}
     env = launch_env(cfg.launcher, {"TQDM_MININTERVAL": "15", **tracking})  # progress every 15 s
-    code = run_streaming(command, env, log.info, grace_s=cfg.launcher.stop_grace_s)
+    tail = Tail(log.info)
+    code = run_streaming(command, env, tail, grace_s=cfg.launcher.stop_grace_s)
     if code == PREEMPTED:
         raise TrainerFailed(f"{stage}: the trainer was signalled (cancel, preemption), checkpointed and exited; a retry resumes")
     if code != 0 or not result.is_file():
-        raise TrainerFailed(f"{stage}: the trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint")
+        raise TrainerFailed(
+            f"{stage}: the trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint. "
+            f"Its last lines:\n{tail}"
+        )
     return json.loads(result.read_text())
 
 

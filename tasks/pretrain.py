@@ -20,7 +20,7 @@ from prefect.artifacts import create_table_artifact
 from infra import rayjobs, slurm
 from infra.env import thread_count
 from infra.errors import SmolflowError, Stopped, TrainerFailed
-from infra.launch import free_port, launch_command, launch_env, run_streaming
+from infra.launch import Tail, free_port, launch_command, launch_env, run_streaming
 from infra.procs import OWNER_ENV, PREEMPTED, STOPPING
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
 from infra.steps import CHECKPOINTS, StepOutput
@@ -187,6 +187,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
     if launcher.kind == "ray":  # on the worker: one process, or torchrun's ranks
         launcher = launcher.model_copy(update={"kind": "python" if launcher.nproc == 1 else "torchrun"})
     env = launch_env(launcher, trainer_env(cfg.storage, run_dir))
+    tail = Tail(log.info)  # the local trainer's last lines, for the error (a job's own log holds the rest)
     if cfg.launcher.kind == "slurm":
         code = run_slurm_job(cfg.launcher, out, job_path, env, t.phase)
     else:
@@ -195,7 +196,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
         code = (
             run_ray_task(cfg.launcher, out, command, env)
             if cfg.launcher.kind == "ray"
-            else run_streaming(command, env, log.info, grace_s=cfg.launcher.stop_grace_s)
+            else run_streaming(command, env, tail, grace_s=cfg.launcher.stop_grace_s)
         )
     summary = out / "summary.json"  # written last, by rank 0, once the phase is done
     if code == PREEMPTED and STOPPING.is_set():
@@ -205,6 +206,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
     if code != 0 or not summary.is_file():
         raise TrainerFailed(
             f"pretrain {t.phase}: trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint"
+            + (f". Its last lines:\n{tail}" if tail.lines else "")
         )
     result = PhaseSummary.model_validate_json(summary.read_text())
     write_card(out, cfg, result, inputs)
