@@ -88,7 +88,7 @@ class Slurm:
         return self.state / "slurm.conf"
 
     def env(self) -> dict[str, str]:
-        return {**detached(dict(os.environ)), "SLURM_CONF": str(self.conf)}  # its daemons outlive whoever starts them
+        return {**detached(os.environ), "SLURM_CONF": str(self.conf)}  # its daemons outlive whoever starts them
 
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, timeout=60)
@@ -213,7 +213,7 @@ class Ray:
         ray = Path(sys.executable).with_name("ray")
         if not ray.exists():
             raise SmolflowError("Ray is not installed in this environment: pip install 'smolflow[cluster]' (make setup installs it)")
-        env = {**detached(dict(os.environ)), **self.env(), **(env or {})}  # the head outlives whoever starts it
+        env = {**detached(os.environ), **self.env(), **(env or {})}  # the head outlives whoever starts it
         return subprocess.run([str(ray), *args], env=env, capture_output=True, text=True, timeout=timeout)
 
     def up(self) -> bool:

@@ -89,7 +89,7 @@ class Server:
             **({"SLURM_CONF": str(slurm_conf)} if slurm_conf.exists() else {}),
             **({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(ray_token)} if ray_token.exists() else {}),
             **OFFLINE_DEFAULTS,
-            **detached(dict(os.environ)),  # the server and worker outlive whoever starts them
+            **detached(os.environ),  # the server and worker outlive whoever starts them
             "PREFECT_HOME": str(self.state / "prefect"),
             "PREFECT_API_URL": self.api_url,
             "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.state / 'prefect.db'}",

@@ -26,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -158,7 +159,7 @@ def watch_owner(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, daemon=True, name="watch-owner").start()
 
 
-def detached(env: dict[str, str]) -> dict[str, str]:
+def detached(env: Mapping[str, str]) -> dict[str, str]:
     """ENV without the tree mark: for a daemon or job meant to outlive the flow process that starts it."""
     return {k: v for k, v in env.items() if k != TREE_ENV}
 
@@ -188,7 +189,7 @@ def reap_when_gone() -> None:
     cwd = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: `-m infra.procs` resolves there
     subprocess.Popen(
         reaper,
-        env=detached(dict(os.environ)),
+        env=detached(os.environ),
         cwd=cwd,
         start_new_session=True,
         stdin=subprocess.DEVNULL,

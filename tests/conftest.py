@@ -38,9 +38,10 @@ share_cores()
 # 430 s, 338 s, ...; the rest take under 65 s each). `make test` hands whole files to the xdist workers in
 # collection order (`--dist loadfile --no-loadscope-reorder`), so the longest start first and the last to
 # end is a short one; xdist's own order (most tests first) started test_cluster.py a third of the way in,
-# and it ran alone for the last ~4 minutes. The order changes only the wall time, never a result.
-LONGEST_FIRST = ["test_cluster.py", "test_deployments.py", "test_pretrain.py", "test_postrain.py", "test_flow.py", "test_evaluation.py",
-                 "test_ablation.py", "test_crash_safety.py"]  # fmt: skip
+# and it ran alone for the last ~4 minutes (so did test_swarm.py's end-to-end test, ~300 CPU s, before it was
+# listed). The order changes only the wall time, never a result.
+LONGEST_FIRST = ["test_cluster.py", "test_deployments.py", "test_pretrain.py", "test_swarm.py", "test_postrain.py", "test_flow.py",
+                 "test_evaluation.py", "test_ablation.py", "test_crash_safety.py"]  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

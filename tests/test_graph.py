@@ -219,6 +219,32 @@ def test_step_names_are_spelled_only_in_the_graph_module():
             assert not spelled, f"{path.relative_to(REPO)} spells step names {sorted(spelled)}"
 
 
+def test_every_cli_command_that_runs_a_flow_starts_its_reaper_first():
+    """A command that calls a flow in its own process marks its tree (`runs_flows`) before Prefect starts a
+    temporary server, or that server outlives a killed CLI; checked here, so a new command cannot forget it."""
+    import importlib
+
+    from prefect import Flow
+
+    flows = set()  # the names under which the flows modules hold flows (a dict of them included)
+    for module in ("flows.pipeline", "flows.ablation", "flows.swarm", "flows.relaunch"):
+        for name, value in vars(importlib.import_module(module)).items():
+            if any(isinstance(v, Flow) for v in (value.values() if isinstance(value, dict) else [value])):
+                flows.add(name)
+    functions = {f.name: f for f in ast.parse((REPO / "flows" / "cli.py").read_text()).body if isinstance(f, ast.FunctionDef)}
+
+    def names(f: ast.FunctionDef) -> set[str]:
+        used = {n.id for n in ast.walk(f) if isinstance(n, ast.Name)}
+        return used | {a.name for n in ast.walk(f) if isinstance(n, ast.ImportFrom) for a in n.names}
+
+    running = {name for name, f in functions.items() if names(f) & flows}
+    while more := {name for name, f in functions.items() if names(f) & running} - running:  # through helpers
+        running |= more
+    commands = {name for name, f in functions.items() if any("command" in ast.unparse(d) for d in f.decorator_list)}
+    unmarked = [n for n in sorted(running & commands) if "runs_flows" not in {ast.unparse(d) for d in functions[n].decorator_list}]
+    assert running & commands and not unmarked, f"CLI commands that run flows without @runs_flows: {unmarked}"
+
+
 def test_prefect_yaml_deploys_every_stage_of_the_graph():
     from prefect import Flow
 
