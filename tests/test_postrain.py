@@ -593,6 +593,7 @@ def test_sigkill_of_one_rank_fails_the_launch_and_the_retry_resumes_with_the_sam
     os.kill(ranks[1], signal.SIGKILL)
     first.join(timeout=120)
     assert errors, "the launch did not fail when a rank was killed"  # pytest.raises fails the thread otherwise
+    assert "exitcode" in str(errors[0].value).split("Its last lines:")[1], "the error quotes the launcher's report of the rank"
     assert not (killed / "result.json").exists() and not (killed / "final").exists()
     resumed = train(cfg, "sft", sft, base, data, killed)
     assert resumed["resumed_from"] is not None and int(resumed["resumed_from"].rsplit("-", 1)[1]) >= 20
