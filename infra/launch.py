@@ -34,7 +34,8 @@ POLL_S = 0.5  # how often a loop that waits on a job or trainer looks at STOPPIN
 
 
 class Tail:
-    """An `on_line` that passes each line on and keeps the last few, so an error can quote why a process failed."""
+    """An `on_line` that passes each line on and keeps the last few, so an error can quote why a process failed:
+    `f"... exited with code {code}{tail}"` (nothing when it said nothing)."""
 
     def __init__(self, on_line: Callable[[str], None], lines: int = 15):
         self.on_line, self.lines = on_line, deque(maxlen=lines)
@@ -44,7 +45,7 @@ class Tail:
         self.on_line(line)
 
     def __str__(self) -> str:
-        return "\n".join(self.lines)
+        return ". Its last lines:\n" + "\n".join(self.lines) if self.lines else ""
 
 
 def free_port() -> int:

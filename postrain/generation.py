@@ -99,7 +99,7 @@ class VLLMBackend:
             tail = Tail(self.on_line)
             code = run_streaming(command, env, tail)
             if code != 0:
-                raise GenerationFailed(f"vLLM on {self.model_path} exited with code {code}:\n{tail}")
+                raise GenerationFailed(f"vLLM on {self.model_path} exited with code {code}{tail}")
             return json.loads((Path(tmp) / "answers.json").read_text())
 
 

@@ -141,8 +141,7 @@ def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, dat
         raise TrainerFailed(f"{stage}: the trainer was signalled (cancel, preemption), checkpointed and exited; a retry resumes")
     if code != 0 or not result.is_file():
         raise TrainerFailed(
-            f"{stage}: the trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint. "
-            f"Its last lines:\n{tail}"
+            f"{stage}: the trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint{tail}"
         )
     return json.loads(result.read_text())
 

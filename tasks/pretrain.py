@@ -205,8 +205,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
         raise TrainerFailed(f"pretrain {t.phase}: the trainer was signalled (preemption, cancel), checkpointed and exited; a retry resumes")
     if code != 0 or not summary.is_file():
         raise TrainerFailed(
-            f"pretrain {t.phase}: trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint"
-            + (f". Its last lines:\n{tail}" if tail.lines else "")
+            f"pretrain {t.phase}: trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint{tail}"
         )
     result = PhaseSummary.model_validate_json(summary.read_text())
     write_card(out, cfg, result, inputs)
