@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -98,8 +99,22 @@ def record(folder: Path, wall: float | None = None, prefix: str = "") -> dict:
     }
 
 
-def sweep(pack_dir: Path, peak: float) -> list[dict]:
-    """The bare loop (bf16 autocast) on phase 1's real batches at growing micro-batches, one per step."""
+def tiny_vocab(pack_dir: Path) -> int:
+    return len(json.loads((pack_dir / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"])
+
+
+def tiny_params(pack_dir: Path) -> int:
+    """Parameters of the packed phase's model (the tiny recipe's architecture on its own tokenizer)."""
+    from model.config import TrainJob
+    from model.network import count_params, model_config
+
+    cfg = TrainJob.model_validate_json((pack_dir / "cpu-job.json").read_text()).config
+    return count_params(model_config(cfg.model, tiny_vocab(pack_dir), cfg.seq_len))
+
+
+def sweep(pack_dir: Path, peak: float, compiled: bool = False) -> list[dict]:
+    """The bare loop (bf16 autocast; its model through torch.compile when `compiled`) on phase 1's real
+    batches at growing micro-batches, one per step."""
     import torch
     from pretrain import bare_loop
 
@@ -111,17 +126,17 @@ def sweep(pack_dir: Path, peak: float) -> list[dict]:
     recipe = load_recipe(REPO / "configs" / "tiny.yaml")
     cfg = TrainJob.model_validate_json((pack_dir / "cpu-job.json").read_text()).config
     sources = [TokenSource(pack_dir / "data" / name) for name in cfg.samples]
-    vocab = len(json.loads((pack_dir / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"])
+    vocab = tiny_vocab(pack_dir)
     fpt = flops_per_token(model_config(recipe.model, vocab, cfg.seq_len), cfg.seq_len)
     rows = []
     for micro in SWEEP:
         batches = MixtureBatches(sources, sample_order(list(cfg.samples.values()), cfg.seed, cfg.index), cfg.seq_len, micro, micro)
         steps = min(100, batches.steps - 5)
-        tok_s = bare_loop(recipe, batches, vocab, steps, warmup=5, device="cuda", bf16=True)
+        tok_s = bare_loop(recipe, batches, vocab, steps, warmup=5, device="cuda", bf16=True, compiled=compiled)
         rows.append(
             {"micro_batch": micro, "tokens_per_step": micro * cfg.seq_len, "steps": steps, "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak}
         )
-        print(f"bare loop, micro-batch {micro}: {tok_s:,.0f} tok/s, MFU {tok_s * fpt / peak:.2%}", flush=True)
+        print(f"bare loop{' (compiled)' * compiled}, micro-batch {micro}: {tok_s:,.0f} tok/s, MFU {tok_s * fpt / peak:.2%}", flush=True)
     torch.cuda.empty_cache()
     return rows
 
@@ -238,7 +253,7 @@ def scale(pack_dir: Path, out: Path, recipe_path: Path, depths: list[int], seq_l
         save()
     recipe = load_recipe(recipe_path)
     seq_len = seq_len or recipe.pretrain.seq_len
-    vocab = len(json.loads((pack_dir / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"])  # unless the recipe sets one
+    vocab = tiny_vocab(pack_dir)  # unless the recipe sets one
     result |= {"recipe": str(recipe_path.relative_to(REPO)), "seq_len": seq_len, "batch": batch, "micro_batch": 1, "steps": steps}
     for layers in depths:
         job = scale_job(pack_dir, out / f"scale-{layers}", recipe, layers, seq_len, batch, steps, result["peak_bf16"])
@@ -281,6 +296,7 @@ def run(pack_dir: Path, out: Path) -> None:
     result = {
         "device": device,
         "torch": torch.__version__,
+        "params": tiny_params(pack_dir),
         "peaks": peaks,
         "cpu": record(pack_dir, prefix="cpu-")
         | {"peak_method": json.loads((pack_dir / "cpu-peak_flops.json").read_text())},  # per thread count
@@ -290,6 +306,11 @@ def run(pack_dir: Path, out: Path) -> None:
     }
     for p in ("bf16", "fp32"):
         shutil.rmtree(out / f"trainer-{p}")  # checkpoints: nothing to bring back
+    (out / "gpu.json").write_text(json.dumps(result, indent=1))  # kept if the compiled sweep fails or runs out of time
+    try:
+        result["bare_bf16_compiled"] = sweep(pack_dir, peaks["bf16"], compiled=True)
+    except Exception as error:  # noqa: BLE001 - a failed compile is a finding, not a lost run
+        result["bare_bf16_compiled"] = {"error": f"{type(error).__name__}: {error}"[:500]}
     (out / "gpu.json").write_text(json.dumps(result, indent=1))
     print(doc(result))
 
@@ -297,6 +318,7 @@ def run(pack_dir: Path, out: Path) -> None:
 def doc(r: dict, scale: dict | None = None) -> str:
     cfg, cpu, t = r["cpu_config"], r["cpu"], r["trainer"]
     bare16 = next(row for row in r["bare_bf16"] if row["micro_batch"] == cfg["micro_batch_size"])
+    compiled = r.get("bare_bf16_compiled")
     lines = [
         "# The tiny recipe's phase 1 on a GPU",
         "",
@@ -324,18 +346,28 @@ def doc(r: dict, scale: dict | None = None) -> str:
         f"same micro-batch: {t['bf16']['tokens_per_s'] / bare16['tokens_per_s']:.2f}x. Final losses (the last log window) agree with the "
         f"CPU run's within {max(abs(t[p]['final_loss'] - cpu['final_loss']) for p in t):.2f}: the same batches, the same schedule.",
         "",
-        "A 1.7M-parameter model cannot fill the card: a step is a thousand kernels or more of a few microseconds each",
+        f"A {r['params'] / 1e6:.1f}M-parameter model cannot fill the card: a step is a thousand kernels or more of a few microseconds each",
         "(counted below), so the GPU waits on Python and kernel launches. The bare loop at growing micro-batches (bf16 autocast, one",
         "micro-batch per step) shows MFU growing with the work per launch:",
         "",
-        "| micro-batch | tokens/step | tokens/s | MFU |",
-        "|---:|---:|---:|---:|",
+        "| micro-batch | tokens/step | tokens/s | MFU | compiled: tokens/s | compiled: MFU |",
+        "|---:|---:|---:|---:|---:|---:|",
         *(
-            f"| {row['micro_batch']} | {row['tokens_per_step']:,} | {row['tokens_per_s']:,.0f} | {row['mfu']:.2%} |"
-            for row in r["bare_bf16"]
+            f"| {row['micro_batch']} | {row['tokens_per_step']:,} | {row['tokens_per_s']:,.0f} | {row['mfu']:.2%} | "
+            + (f"{fast['tokens_per_s']:,.0f} | {fast['mfu']:.2%} |" if fast else "| |")
+            for row, fast in zip(r["bare_bf16"], compiled if isinstance(compiled, list) else [None] * len(r["bare_bf16"]))
         ),
         "",
     ]
+    if isinstance(compiled, list):
+        gain = next(row for row in compiled if row["micro_batch"] == bare16["micro_batch"])["tokens_per_s"] / bare16["tokens_per_s"]
+        lines += [
+            "Compiled: the same loop with its model through `torch.compile` (default mode), its first steps (the compile)",
+            f"left out: {gain:.1f}x the eager loop at the recipe's micro-batch. The trainer does not compile its model.",
+            "",
+        ]
+    elif compiled:
+        lines += [f"`torch.compile` of the loop failed on this machine: {compiled['error']}", ""]
     return "\n".join(lines + (scale_doc(scale) if scale else []))
 
 
@@ -345,6 +377,8 @@ DATASHEET_BF16 = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12}  # den
 def scale_doc(c: dict) -> list[str]:
     """The sections from gpu-scale.json: where a tiny step's time goes, and the trainer at the real sizes."""
     split, biggest = c["split"], c["scale"][-1]
+    mfus = [e["mfu"] for e in c["scale"] if "mfu" in e] or [math.nan]
+    kernels = split["bf16"].get("kernels_per_step", math.nan) / split["fp32"].get("kernels_per_step", math.nan)
     sheet = DATASHEET_BF16.get(c["device"])
     lines = [
         "",
@@ -358,7 +392,7 @@ def scale_doc(c: dict) -> list[str]:
         ),
         "",
         "The update's share is timed between synchronizations; kernels and their time come from torch's profiler;",
-        "GPU busy is kernel time over the step's wall time. bf16 launches about twice the kernels of fp32 for the same",
+        f"GPU busy is kernel time over the step's wall time. bf16 launches {kernels:.1f}x the kernels of fp32 for the same",
         "few milliseconds of GPU work (DeepSpeed's bf16 path: casts, and the fp32 master weights it updates and copies",
         "back; not broken down further), so on a model this small bf16 is slower: the card is idle most of each step.",
         "",
@@ -391,7 +425,7 @@ def scale_doc(c: dict) -> list[str]:
     lines += [
         "What to take from it: the tiny recipe is sized for a 2-core CPU, where it runs at a large share of the",
         "machine's peak; on a GPU it is launch-bound and its MFU says nothing about the trainer. At the real",
-        "recipe's sizes matmuls dominate and the same trainer holds about 40% of the card's measured bf16 peak.",
+        f"recipe's sizes matmuls dominate and the same trainer holds {min(mfus):.0%} to {max(mfus):.0%} of the card's measured bf16 peak.",
         f"The full {biggest['params'] / 1e9:.1f}B at ZeRO 0 needs {biggest.get('gpu_memory_gib', float('nan')):.0f} GiB on one card "
         "(bf16 weights and",
         "gradients, fp32 master weights and Adam moments, activations without recomputation): more ranks with ZeRO,",

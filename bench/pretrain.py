@@ -63,11 +63,21 @@ def sync(device: str) -> None:
 
 
 def bare_loop(
-    recipe, batches: MixtureBatches, vocab: int, steps: int, warmup: int, loss_fn=lm_loss, device: str = "cpu", bf16: bool = False
+    recipe,
+    batches: MixtureBatches,
+    vocab: int,
+    steps: int,
+    warmup: int,
+    loss_fn=lm_loss,
+    device: str = "cpu",
+    bf16: bool = False,
+    compiled: bool = False,
 ) -> float:
-    """Tokens/s of a plain PyTorch loop: forward (bf16 autocast when asked), loss, backward, clip, AdamW step."""
+    """Tokens/s of a plain PyTorch loop: forward (bf16 autocast when asked; through torch.compile when
+    asked, which fuses the model's small kernels), loss, backward, clip, AdamW step."""
     p = recipe.pretrain
     model = build_model(model_config(recipe.model, vocab, p.seq_len), seed=0).to(device)
+    forward = torch.compile(model) if compiled else model
     opt = torch.optim.AdamW(param_groups(model, p.optimizer.weight_decay), lr=p.optimizer.lr, betas=p.optimizer.betas)
     for step in range(warmup + steps):
         if step == warmup:
@@ -76,7 +86,7 @@ def bare_loop(
         for mb in batches.micro_batches(step, 0, 1):
             mb = {key: value.to(device) for key, value in mb.items()}
             with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
-                logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
+                logits = forward(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
             loss, _ = loss_fn(logits, mb["labels"], p.optimizer.z_loss)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), p.optimizer.grad_clip)
