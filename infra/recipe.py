@@ -355,7 +355,10 @@ class SpikeCfg(Strict):
     warmup_steps: int = Field(20, ge=0, description="no checks before the running mean settles")
 
 
-STOP_GRACE = "a cancelled task's ranks get SIGTERM, checkpoint and exit; after this long they are killed"
+STOP_GRACE = (
+    "a cancelled task's ranks get SIGTERM, checkpoint and exit; after this long they are killed (a cancel through a Prefect "
+    "worker: at most 30 s, when the worker kills the flow's process and the ranks with it)"
+)
 
 
 class SlurmJobCfg(Strict):

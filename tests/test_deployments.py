@@ -353,6 +353,62 @@ def test_the_report_card_subflows_and_training_curves_show_in_a_browser(server, 
     assert shown[shown.index("loss", trl) + 1] == "sft"
 
 
+def logged(server: Server, run_id: str, text: str) -> int:
+    """How many of the flow run's log lines (its tasks' included) contain TEXT; 0 while the server is busy."""
+    try:
+        return sum(text in log["message"] for log in api(server, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}}))
+    except OSError:
+        return 0
+
+
+def test_a_stage_cancelled_through_the_api_checkpoints_and_its_rerun_resumes_with_the_losses_of_an_uninterrupted_run(
+    server, pipeline, tmp_path
+):
+    """A user's cancel of a deployed stage (`prefect flow-run cancel`: the run goes Cancelling) while its trainer trains:
+    the worker SIGTERMs the flow run's process and kills it 30 s later; in that time the trainer must finish its step and
+    save a checkpoint. The run ends Cancelled with no trainer left, and the stage's rerun resumes from that checkpoint
+    to the losses of the same trainer run without a cancel."""
+    from infra.recipe import SFTCfg, load_recipe
+    from postrain.run import PostJob
+    from tasks.postrain import TrainedStepCfg, train
+
+    assert wait_final(server, pipeline.run_id)["state_type"] == "COMPLETED"
+    run_dir = pipeline.run_dir
+    # a new SFT step (another config): 160 steps, a loss logged every 2, no periodic checkpoint (only the cancel's)
+    longer = [o for o in SFT_QUICK if "max_steps" not in o and "logging_steps" not in o]
+    longer += ["postrain.sft.max_steps=160", "postrain.sft.logging_steps=2", "postrain.sft.save_steps=1000"]
+    params = {"recipe": str(pipeline.recipe), "run_dir": str(run_dir), "overrides": longer}
+    run_id = run_deployment(server, "sft/tiny", params)
+    deadline = time.time() + 900
+    while logged(server, run_id, "'loss'") < 3:  # training, past its first steps
+        assert time.time() < deadline, f"the SFT stage never logged its losses: {state_history(server, run_id)}"
+        time.sleep(1)
+    set_state(server, run_id, "CANCELLING")
+    cancelled = wait_final(server, run_id, timeout_s=300)
+    assert cancelled["state_type"] == "CANCELLED", state_history(server, run_id)
+    left = [command_of(p) for p in psutil.process_iter() if "postrain.run" in command_of(p) and str(run_dir) in command_of(p)]
+    assert not left, f"trainers outlived the cancelled run: {left}"
+    saved = sorted(int(p.name.split("-")[1]) for p in run_dir.glob("steps/.partial/sft-*/checkpoints/checkpoint-*"))
+    assert len(saved) == 1 and 0 < saved[0] < 160, f"one checkpoint, the cancel's, before the last step: {saved}"
+    assert logged(server, run_id, "received SIGTERM: checkpoint-"), "the trainer said why it stopped"
+    states = {s["type"]: s["timestamp"] for s in run_states(server, run_id)}
+    print(f"cancel: {states['CANCELLING']} -> {states['CANCELLED']}, checkpoint-{saved[0]} of 160")
+
+    rerun = wait_final(server, run_deployment(server, "sft/tiny", params))
+    assert rerun["state_type"] == "COMPLETED", state_history(server, rerun["id"])
+    summary = json.loads((run_dir / "sft" / "manifest.json").read_text())["summary"]
+    assert summary["resumed_from"].endswith(f"checkpoint-{saved[0]}")
+
+    job = PostJob.model_validate_json((run_dir / "sft" / "job.json").read_text())
+    recipe = load_recipe(pipeline.recipe, longer)
+    cfg = TrainedStepCfg(launcher=recipe.postrain.launcher, heldout_eval=recipe.postrain.heldout_eval, seed=job.seed)
+    (reference := tmp_path / "uninterrupted").mkdir()
+    losses = dict(map(tuple, train(cfg, "sft", SFTCfg.model_validate(job.config), Path(job.model), Path(job.data), reference)["loss"]))
+    resumed = {s: loss for s, loss in map(tuple, summary["loss"]) if s >= saved[0] + 2}  # logged over 2 steps, both resumed
+    assert max(resumed) == 160 and len(resumed) >= 10
+    assert all(resumed[s] == pytest.approx(losses[s], rel=1e-4) for s in resumed), {s: (resumed[s], losses[s]) for s in resumed}
+
+
 def sourced(server: Server) -> subprocess.CompletedProcess:
     """A shell that sources the state dir's env file, as a user does: the auth string it has then."""
     script = f". {server.state / 'env'} && echo ${{PREFECT_API_AUTH_STRING:-unset}}"
