@@ -227,12 +227,16 @@ def scheduled_eval_flow(source: str = "runs/tiny", recipe: str | None = None, wo
 
 
 def source_recipe(source: str, recipe_path: str | None) -> Recipe:
-    """The recipe a run was made with (its frozen recipe.json; on a mirror, `runs/RUN/recipe.json`), unless one is given."""
+    """The recipe a run was made with (its frozen recipe.json; on a mirror, `runs/RUN/recipe.json`, or where a mirror
+    written before that layout kept it: `recipe.json`, `RUN/recipe.json`), unless one is given."""
     if recipe_path:
         return load_recipe(recipe_path)
     fs, root = filesystem(source)
     local = "://" not in source
-    found = [f"{root}/{RECIPE}"] if local else sorted(fs.glob(f"{root}/{RUNS}/*/{RECIPE}"))
+    if local:
+        found = [f"{root}/{RECIPE}"]
+    else:
+        found = sorted(fs.glob(f"{root}/{RUNS}/*/{RECIPE}")) or sorted(fs.glob(f"{root}/{RECIPE}") + fs.glob(f"{root}/*/{RECIPE}"))
     if len(found) > 1:
         run_logger().warning("%s mirrors %d runs: evaluating with the recipe of %s (pass --recipe to choose)", source, len(found), found[0])
     try:

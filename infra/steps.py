@@ -300,9 +300,11 @@ def decide(run_dir: Path, step: Step, fingerprints: Mapping[str, str], mirror: M
     partial = store / PARTIAL / folder
     if read_manifest(partial) or (store / PARTIAL / f"{folder}{BUILT}").is_file():
         return Status(step, "resume", "built, its commit was cut off: committing without building again", changes, None, sid, fingerprints)
-    if mirror is not None and (remote := _remote_manifest(mirror, folder)) and remote.get("step_id") == sid:
+    if mirror is not None and (found := _on_mirror(mirror, step.name, sid)):
+        where, remote = found
         output = _output(remote, run_dir / step.name, cached=True, step=step)
-        return Status(step, "pull", f"finished on {mirror.prefix}", changes, output, sid, fingerprints)
+        old = "" if where == folder else f" as {where} (the layout before {folder}: copied there once pulled)"
+        return Status(step, "pull", f"finished on {mirror.prefix}{old}", changes, output, sid, fingerprints)
     if partial.is_dir():
         return Status(step, "resume", "a partial build with this identity exists", changes, None, sid, fingerprints)
     inputs_changed = sorted(k for k, v in fingerprints.items() if linked and linked.get("inputs", {}).get(k) != v)
@@ -442,14 +444,17 @@ def _build(store: Path, folder: str, status: Status, mirror: Mirror | None, inpu
         built.unlink(missing_ok=True)
         return _output(manifest, final, cached=True, step=step)
     if (manifest := read_manifest(partial)) is None and not built.is_file() and mirror is not None:
-        if (remote := _remote_manifest(mirror, folder)) and remote.get("step_id") == sid:
+        if found := _on_mirror(mirror, step.name, sid):
+            where, remote = found
             pulled = store / PARTIAL / f"{folder}.pull"  # a download, not work: an earlier attempt's is replaced
             shutil.rmtree(pulled, ignore_errors=True)
-            log.info("step %s: pulling the finished copy from %s", step.name, mirror.prefix)
-            mirror.pull(folder, pulled, MANIFEST)
+            log.info("step %s: pulling the finished copy from %s/%s", step.name, mirror.prefix, where)
+            mirror.pull(where, pulled, MANIFEST)
             if fingerprint_tree(pulled) == remote["fingerprint"]:
                 lock.check()
                 _commit(pulled, final)
+                if where != folder:  # the mirror's old layout: the copy goes where this layout reads it (the old one stays)
+                    _push_missing(mirror, final, folder, sid)
                 return _output(remote, final, cached=True, step=step)
             shutil.rmtree(pulled)
             log.warning("step %s: the copy on %s does not match its manifest's fingerprint: building it here", step.name, mirror.prefix)
@@ -540,12 +545,16 @@ def _link(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-def _remote_manifest(mirror: Mirror, folder: str) -> dict[str, Any] | None:
+def _on_mirror(mirror: Mirror, name: str, sid: str) -> tuple[str, dict[str, Any]] | None:
+    """(where, manifest) of the mirror's finished copy of step NAME with id SID: under NAME-ID, or, on a mirror
+    written before that layout, under NAME, which held the run's current version (its manifest names the id)."""
     try:
-        return mirror.read_marker(folder, MANIFEST)
+        for where in (folder_name(name, sid), name):
+            if (remote := mirror.read_marker(where, MANIFEST)) and remote.get("step_id") == sid:
+                return where, remote
     except StorageError as err:  # an outage: the step can still be built here
-        log.warning("step %s: cannot look for a finished copy on %s (%s): building it here", folder, mirror.prefix, err)
-        return None
+        log.warning("step %s: cannot look for a finished copy on %s (%s): building it here", name, mirror.prefix, err)
+    return None
 
 
 def _push_missing(mirror: Mirror, final: Path, folder: str, sid: str) -> None:

@@ -530,6 +530,50 @@ def test_a_step_whose_push_failed_is_pushed_when_found_finished(tmp_path, bucket
     assert out.cached and fs.cat_file(f"{remote}/data.txt") == b"tokens" and fs.exists(f"{remote}/{MANIFEST}")
 
 
+def move_on_mirror(fs, src: str, dst: str) -> None:
+    """Every object under SRC to the same name under DST (an older layout, made by hand)."""
+    fs.invalidate_cache()  # the mirror wrote through another client
+    for key in fs.find(src):
+        fs.copy(key, f"{dst}/{key[len(src) + 1 :]}")
+    fs.rm(src, recursive=True)
+    fs.invalidate_cache()
+
+
+def test_a_step_finished_on_a_mirror_of_the_old_layout_is_pulled_not_rebuilt_and_copied_to_its_name_there(tmp_path, bucket):
+    """Before STORE/NAME-ID, a run mirrored its steps as MIRROR/NAME (the manifest naming the version): a fresh machine
+    with today's code pulls such a step of the same id instead of building it again, and leaves the copy under NAME-ID;
+    another version under NAME is not taken for it."""
+    from infra.steps import decide
+
+    fs, name, s3 = bucket
+    calls: list[str] = []
+
+    def make(cfg, inputs, out):
+        calls.append(cfg.v)
+        (out / "data.txt").write_text(f"tokens {cfg.v}")
+        return {}
+
+    step = Step("tok", "test", make, Cfg())
+    sid = step.step_id({})
+    run_step(tmp_path / "machine1", step, {}, Mirror(f"s3://{name}/m", s3))
+    move_on_mirror(fs, f"{name}/m/tok-{sid}", f"{name}/m/tok")  # the old layout
+    assert not fs.exists(f"{name}/m/tok-{sid}/{MANIFEST}") and fs.exists(f"{name}/m/tok/{MANIFEST}")
+
+    mirror = Mirror(f"s3://{name}/m", s3)
+    status = decide(tmp_path / "machine2", step, {}, mirror)
+    said = f"finished on s3://{name}/m as tok (the layout before tok-{sid}: copied there once pulled)"
+    assert (status.state, status.reason) == ("pull", said)
+    out = run_step(tmp_path / "machine2", step, {}, mirror)
+    assert calls == [0] and out.cached and (out.path / "data.txt").read_text() == "tokens 0"
+    assert json.loads(fs.cat_file(f"{name}/m/tok-{sid}/{MANIFEST}"))["step_id"] == sid, "the mirror holds it under NAME-ID now"
+    assert decide(tmp_path / "machine3", step, {}, mirror).reason == f"finished on s3://{name}/m"
+
+    other = Step("tok", "test", make, Cfg(v=2))  # another version: MIRROR/tok holds the first one's
+    assert decide(tmp_path / "machine2", other, {}, mirror).state == "rerun"
+    run_step(tmp_path / "machine2", other, {}, mirror)
+    assert calls == [0, 2]
+
+
 def test_the_dry_run_the_upstream_check_and_the_build_make_one_decision_mirror_included(tmp_path, bucket):
     """A fresh machine whose mirror holds the upstream: the dry run says `pull`, a stage's upstream check passes
     and the stage pulls it; nothing is built again."""
@@ -771,6 +815,39 @@ def test_eval_of_a_mirror_finds_every_version_an_ablation_left_there(tmp_path, b
     assert len(found) == 2 and not skipped and all(m.label == "sft" for m in found)
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint_url)  # `smolflow eval s3://...` reads the endpoint as any AWS client does
     assert source_recipe(f"s3://{name}/abl", None).name == "micro"
+
+
+def test_eval_of_a_mirror_of_the_old_layout_finds_its_models_and_its_recipe(tmp_path, bucket, monkeypatch):
+    """A mirror written before STORE/NAME-ID holds a run's steps as NAME and its recipe as recipe.json beside them:
+    `smolflow eval s3://...` still finds both."""
+    from flows.pipeline import source_recipe
+    from infra.steps import RECIPE, RUNS, Run
+    from tasks.evaluation.results import models_in_prefix
+    from tests.helpers import micro_recipe, write_recipe
+
+    fs, name, s3 = bucket
+
+    def model(cfg, inputs, out):
+        (out / "final").mkdir()
+        (out / "final" / "config.json").write_text("{}")
+        return {}
+
+    storage = {"storage.mirror": f"s3://{name}/old", "storage.s3.endpoint_url": s3.endpoint_url}
+    run = Run.open(str(write_recipe(tmp_path / "r.yaml", micro_recipe(**storage))), str(tmp_path / "run"))
+    step = Step("sft", "sft", model, Cfg(), model="sft")
+    run.build(step, {})
+    deadline = time.time() + 60  # the run's recipe is mirrored in the background
+    while not fs.exists(f"{name}/old/{RUNS}/run/{RECIPE}"):
+        assert time.time() < deadline, "the run's recipe never reached its mirror"
+        time.sleep(0.5)
+        fs.invalidate_cache()
+    move_on_mirror(fs, f"{name}/old/sft-{step.step_id({})}", f"{name}/old/sft")  # the layout before NAME-ID
+    fs.copy(f"{name}/old/{RUNS}/run/{RECIPE}", f"{name}/old/{RECIPE}")
+    fs.rm(f"{name}/old/{RUNS}", recursive=True)
+    found, skipped = models_in_prefix(f"s3://{name}/old", s3, [step])
+    assert [m.path for m in found] == [f"s3://{name}/old/sft/final"] and not skipped
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint_url)
+    assert source_recipe(f"s3://{name}/old", None).name == "micro"
 
 
 def test_two_hosts_scoring_one_model_in_one_bucket_keep_each_others_results(bucket, monkeypatch):

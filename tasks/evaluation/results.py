@@ -182,13 +182,13 @@ def models_in_prefix(prefix: str, s3: S3Cfg | None, steps: list[Step]) -> tuple[
     for step in steps:
         if step.checkpoints is None:
             continue
-        markers = with_retries(f"list {prefix}", lambda step=step: fs.glob(f"{root}/{step.name}-*/{CHECKPOINTS}/step*/{MARKER}"))
+        markers = with_retries(f"list {prefix}", lambda step=step: layouts(fs, root, step.name, f"{CHECKPOINTS}/step*/{MARKER}"))
         for marker_path in sorted(markers):
             folder = marker_path.rsplit("/", 1)[0]
             marker = _read_json(fs, marker_path)
             found.append((folder, "hf", f"{step.checkpoints}/{folder.rsplit('/', 1)[-1]}", "checkpoint", step.checkpoints, marker))
     for step in [s for s in steps if s.model]:  # every version the mirror holds (an ablation's runs share one mirror)
-        for path in sorted(with_retries(f"list {prefix}", lambda step=step: fs.glob(f"{root}/{step.name}-*/{MANIFEST}"))):
+        for path in sorted(with_retries(f"list {prefix}", lambda step=step: layouts(fs, root, step.name, MANIFEST))):
             if (manifest := _read_json(fs, path)) is not None and manifest.get("name") == step.name:
                 found.append((path.rsplit("/", 1)[0], FINAL, step.model, "model", step.model, manifest))
     models, skipped = [], {}
@@ -201,6 +201,12 @@ def models_in_prefix(prefix: str, s3: S3Cfg | None, steps: list[Step]) -> tuple[
         url = f"s3://{folder}/{sub}" if prefix.startswith("s3://") else f"{folder}/{sub}"
         models.append(ModelRef(url, fingerprint, label, kind, stage, record.get("step"), record.get("tokens"), record.get("step_id")))
     return models, skipped
+
+
+def layouts(fs, root: str, name: str, inside: str) -> list[str]:
+    """Paths matching INSIDE in every version of step NAME on a mirror: ROOT/NAME-ID/..., and ROOT/NAME/... where a
+    mirror written before that layout holds one."""
+    return [*fs.glob(f"{root}/{name}-*/{inside}"), *fs.glob(f"{root}/{name}/{inside}")]
 
 
 def _read_json(fs, path: str) -> dict[str, Any] | None:
