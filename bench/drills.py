@@ -12,10 +12,14 @@
    Afterwards: it completed, every kept checkpoint is complete, no lock is left, no two trainers ever
    ran at once, no orphan, and final metrics (losses per stage, post-training curves, every evaluation)
    equal the reference's.
-3. S3 drill: pretraining mirrors to a moto S3 server reached through a TCP proxy, cut for
+3. Slurm drill: the same pipeline up to pretraining with every phase a Slurm job on a local cluster, SIGKILLed
+   --slurm-kills times while a job trains (a rank of the job, or the flow process alone, at random).
+   Afterwards: it completed with the reference's pretraining losses and weights, no job is left in the
+   queue, no two trainers ever ran at once, no orphan.
+4. S3 drill: pretraining mirrors to a moto S3 server reached through a TCP proxy, cut for
    --outage-seconds (longer than the upload retry budget) while a checkpoint uploads. Afterwards every
    step and checkpoint is on S3 with its marker, and no upload was given up.
-4. Full-disk drill (root: a tmpfs): a pretraining phase whose checkpoints go to a disk that holds two
+5. Full-disk drill (root: a tmpfs): a pretraining phase whose checkpoints go to a disk that holds two
    of them and no more finishes with the losses of the reference phase (it prunes before saving), and
    one on a disk too small for any fails naming the folder and the space needed.
 
@@ -88,7 +92,7 @@ def final_metrics(run_dir: Path) -> dict:
     for manifest in sorted(run_dir.glob("pretrain_*/manifest.json")):
         summary = json.loads(manifest.read_text())["summary"]
         out[manifest.parent.name] = round(summary["final_loss"], 5)
-    for stage in ("sft", "apo", "grpo"):
+    for stage in [s for s in ("sft", "apo", "grpo") if (run_dir / s / "manifest.json").exists()]:
         summary = json.loads((run_dir / stage / "manifest.json").read_text())["summary"]
         for curve in ("loss", "reward"):
             if curve in summary:
@@ -333,6 +337,70 @@ class Proxy:
         self.up.set()
 
 
+def slurm_drill(work: Path, rng: random.Random, kills: int) -> tuple[int, int, list[str]]:
+    """The reference's pipeline up to pretraining with every phase a Slurm job on a local cluster (flows/cluster.py),
+    SIGKILLed KILLS times while a job trains: half the time a rank of the job (srun reports it and the job fails
+    or requeues; the task resumes), else the flow process alone (the job lives on; the relaunch must not run a
+    second trainer beside it). Returns (kills made, most trainers alive at once, problems): afterwards the run
+    completed with the reference's pretraining losses and weights, no job is left in the queue, and no process
+    of a killed flow outlived it."""
+    from flows.cluster import Slurm
+
+    cluster = Slurm(state=work / "slurm", port=_free_port())
+    cluster.start(timeout_s=180, say=lambda line: None)
+    os.environ["SLURM_CONF"] = str(cluster.conf)
+    run_dir, log = work / "slurm-run", work / "slurm-run.log"
+    extra = ["pretrain.launcher.kind=slurm", "pretrain.launcher.slurm.time='60'"]
+    watch, made, left, problems = TrainerWatch(run_dir), 0, [], []
+    try:
+        proc = start_pipeline(MICRO, run_dir, log, extra, until="pretrain")
+        mark = tree_mark(proc)
+        while made < kills and proc.poll() is None and "trainer" in pending(run_dir):
+            ranks = [p for p in psutil.process_iter(["cmdline"]) if "model.train" in (cmd := p.info["cmdline"] or [])
+                     and "infra.procs" not in cmd and any(str(run_dir) in part for part in cmd)]  # fmt: skip
+            if not ranks:
+                time.sleep(0.2)
+                continue
+            time.sleep(rng.uniform(0.5, 4))  # inside the phase, not at its first instant
+            if rng.random() < 0.5:
+                try:
+                    ranks[0].kill()
+                except psutil.NoSuchProcess:
+                    continue
+                what = f"a rank of the Slurm job (pid {ranks[0].pid})"
+            else:
+                proc.kill()
+                proc.wait()
+                what = "the flow process alone while its Slurm job trained"
+            made += 1
+            found = orphans(mark) if proc.poll() is not None else []
+            left += found
+            print(f"  slurm kill {made}: SIGKILL {what}; queue: {[j['name'] for j in cluster.jobs()]}", flush=True)
+            if proc.poll() is not None:
+                proc = start_pipeline(MICRO, run_dir, log, extra, until="pretrain")
+                mark = tree_mark(proc)
+        for _ in range(4):  # a killed rank may have failed the run: the rerun resumes
+            if proc.wait() == 0:
+                break
+            print("  the run after the kills failed; rerunning it", flush=True)
+            left += orphans(mark)
+            proc = start_pipeline(MICRO, run_dir, log, extra, until="pretrain")
+            mark = tree_mark(proc)
+        else:
+            problems.append(f"the pipeline did not complete after the kills (see {log})")
+        left += orphans(mark)
+        if jobs := cluster.jobs():
+            problems.append(f"jobs left in the queue: {jobs}")
+    finally:
+        most = watch.stop()
+        cluster.stop()
+    if not problems:
+        pretrained = lambda metrics: {k: v for k, v in metrics.items() if k.startswith("pretrain_")}  # noqa: E731
+        problems += compare(pretrained(final_metrics(work / "reference")), pretrained(final_metrics(run_dir)))
+    problems += integrity(run_dir) + ([f"{most} trainers were alive at once: {watch.seen[:3]}"] if most > 1 else [])
+    return made, most, problems + [f"outlived its run: {name}" for name in left]
+
+
 def checkpoints(run_dir: Path) -> set[str]:
     """PHASE/TAG of every committed checkpoint of the phase being trained."""
     return {f"{p.parent.parent.parent.name}/{p.parent.name}" for p in run_dir.glob(".partial/pretrain_*/checkpoints/step*/checkpoint.json")}
@@ -463,7 +531,8 @@ def main() -> int:
     parser.add_argument("--outage-seconds", type=float, default=60, help="how long each S3 outage lasts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="keep run dirs here (default: a temp dir, removed)")
-    parser.add_argument("--drills", default="kill,s3,disk", help="which drills to run after the reference (comma-separated)")
+    parser.add_argument("--slurm-kills", type=int, default=4, help="SIGKILLs in the Slurm drill (a job's rank or the flow process)")
+    parser.add_argument("--drills", default="kill,slurm,s3,disk", help="which drills to run after the reference (comma-separated)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="smolflow-drills-"))
@@ -493,6 +562,13 @@ def main() -> int:
         verdict = "OK: same final metrics and weights, nothing lost" if not problems and not diffs else "FAILED"
         rows.append(f"| kill | {made} SIGKILLs, most trainers at once {most} | {verdict} | {time.time() - started:.0f} |")
         failures += problems + diffs
+    if "slurm" in chosen:
+        print(f"slurm drill: {args.slurm_kills} SIGKILLs of pretraining jobs' ranks or of the flow process", flush=True)
+        started = time.time()
+        made, most, problems = slurm_drill(work, rng, args.slurm_kills)
+        verdict = "OK: the reference's pretraining, no job left" if not problems else "FAILED"
+        rows.append(f"| slurm | {made} SIGKILLs, most trainers at once {most} | {verdict} | {time.time() - started:.0f} |")
+        failures += problems
     if "s3" in chosen:
         print(f"s3 drill: {args.outages} outage(s) of {args.outage_seconds:.0f} s during checkpoint uploads", flush=True)
         started = time.time()
