@@ -100,6 +100,7 @@ def record(folder: Path, wall: float | None = None, prefix: str = "") -> dict:
 
 
 def tiny_vocab(pack_dir: Path) -> int:
+    """The packed tokenizer's vocabulary: the tiny model's embedding rows."""
     return len(json.loads((pack_dir / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"])
 
 
