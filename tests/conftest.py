@@ -39,14 +39,17 @@ share_cores()
 # collection order (`--dist loadfile --no-loadscope-reorder`), so the longest start first and the last to
 # end is a short one; xdist's own order (most tests first) started test_cluster.py a third of the way in,
 # and it ran alone for the last ~4 minutes (so did test_swarm.py's end-to-end test, ~300 CPU s, before it was
-# listed). The order changes only the wall time, never a result.
+# listed). Within a file its slow tests come first: xdist gives a worker its next file once two of its tests are
+# left, and that file waits behind them (test_swarm.py's end-to-end test, last in the file, held one ~13 min).
+# The order changes only the wall time, never a result.
 LONGEST_FIRST = ["test_cluster.py", "test_deployments.py", "test_pretrain.py", "test_swarm.py", "test_postrain.py", "test_flow.py",
                  "test_evaluation.py", "test_ablation.py", "test_crash_safety.py"]  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+    # stable: otherwise each file keeps its own order
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), item.get_closest_marker("slow") is None))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

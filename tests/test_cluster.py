@@ -98,20 +98,6 @@ def test_curation_on_ray_keeps_the_same_documents_as_local(ray_head, planted, tm
     curate_and_compare(cluster_executor("ray"), planted, tmp_path)
 
 
-def test_the_ray_head_refuses_a_process_without_its_token(ray_head):
-    """Any local user could `ray.init` the head and run tasks as its owner."""
-    join = f"import ray; ray.init(address={ray_head.address!r}, log_to_driver=False)"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    out = subprocess.run([sys.executable, "-c", join], env=env, capture_output=True, text=True, timeout=180)
-    assert out.returncode != 0 and "InvalidAuthToken" in out.stderr, out.stderr[-2000:]
-    assert ray_head.token.stat().st_mode & 0o077 == 0 and ray_head.state.stat().st_mode & 0o077 == 0
-
-
-def test_a_failed_ray_task_fails_the_task_with_its_log(ray_head, tmp_path):
-    with pytest.raises(pipelines.ClusterJobFailed, match=r"1 of 2 tasks incomplete(.|\n)*rank 1 broke on purpose"):
-        pipelines.run_pipeline(cluster_executor("ray"), [fail_on_rank_1], tmp_path / "logs", 2, "broken")
-
-
 def fail_on_rank_1(docs, rank: int = 0, world_size: int = 1):
     if rank == 1:
         raise RuntimeError("rank 1 broke on purpose")
@@ -529,3 +515,21 @@ def test_a_swarm_trains_its_proxies_as_ray_tasks_at_once(ray_head, local_swarm, 
     assert scores(tmp_path / "sw") == local_swarm, "a proxy's scores do not depend on where it trained"
     time.sleep(2)  # trainers of other tests (other xdist workers) may run: only those under a Ray worker are this one's
     assert ray_trainers() == 0, "a trainer outlived its Ray task"
+
+
+# Two quick tests last: xdist gives a worker its next file once two of its tests are left, and that file waits
+# behind them (behind the swarm tests above, it waited ~15 min and ran alone at the end of `make test`).
+
+
+def test_the_ray_head_refuses_a_process_without_its_token(ray_head):
+    """Any local user could `ray.init` the head and run tasks as its owner."""
+    join = f"import ray; ray.init(address={ray_head.address!r}, log_to_driver=False)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    out = subprocess.run([sys.executable, "-c", join], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode != 0 and "InvalidAuthToken" in out.stderr, out.stderr[-2000:]
+    assert ray_head.token.stat().st_mode & 0o077 == 0 and ray_head.state.stat().st_mode & 0o077 == 0
+
+
+def test_a_failed_ray_task_fails_the_task_with_its_log(ray_head, tmp_path):
+    with pytest.raises(pipelines.ClusterJobFailed, match=r"1 of 2 tasks incomplete(.|\n)*rank 1 broke on purpose"):
+        pipelines.run_pipeline(cluster_executor("ray"), [fail_on_rank_1], tmp_path / "logs", 2, "broken")
