@@ -40,7 +40,7 @@ share_cores()
 # end is a short one; xdist's own order (most tests first) started test_cluster.py a third of the way in,
 # and it ran alone for the last ~4 minutes (so did test_swarm.py's end-to-end test, ~300 CPU s, before it was
 # listed). Within a file its slow tests come first: xdist gives a worker its next file once two of its tests are
-# left, and that file waits behind them (test_swarm.py's end-to-end test, last in the file, held one ~13 min).
+# left, and that file waits behind them (test_swarm.py's end-to-end test, 9-12 min, was last in its file).
 # The order changes only the wall time, never a result.
 LONGEST_FIRST = ["test_cluster.py", "test_deployments.py", "test_pretrain.py", "test_swarm.py", "test_postrain.py", "test_flow.py",
                  "test_evaluation.py", "test_ablation.py", "test_crash_safety.py"]  # fmt: skip
