@@ -374,9 +374,10 @@ def test_a_stage_cancelled_through_the_api_checkpoints_and_its_rerun_resumes_wit
 
     assert wait_final(server, pipeline.run_id)["state_type"] == "COMPLETED"
     run_dir = pipeline.run_dir
-    # a new SFT step (another config): 160 steps, a loss logged every 2, no periodic checkpoint (only the cancel's)
+    # a new SFT step (another config): STEPS steps, a loss logged every 2, no periodic checkpoint (only the cancel's)
+    steps = 160
     longer = [o for o in SFT_QUICK if "max_steps" not in o and "logging_steps" not in o]
-    longer += ["postrain.sft.max_steps=160", "postrain.sft.logging_steps=2", "postrain.sft.save_steps=1000"]
+    longer += [f"postrain.sft.max_steps={steps}", "postrain.sft.logging_steps=2", "postrain.sft.save_steps=1000"]
     params = {"recipe": str(pipeline.recipe), "run_dir": str(run_dir), "overrides": longer}
     run_id = run_deployment(server, "sft/tiny", params)
     deadline = time.time() + 900
@@ -389,10 +390,10 @@ def test_a_stage_cancelled_through_the_api_checkpoints_and_its_rerun_resumes_wit
     left = [command_of(p) for p in psutil.process_iter() if "postrain.run" in command_of(p) and str(run_dir) in command_of(p)]
     assert not left, f"trainers outlived the cancelled run: {left}"
     saved = sorted(int(p.name.split("-")[1]) for p in run_dir.glob("steps/.partial/sft-*/checkpoints/checkpoint-*"))
-    assert len(saved) == 1 and 0 < saved[0] < 160, f"one checkpoint, the cancel's, before the last step: {saved}"
+    assert len(saved) == 1 and 0 < saved[0] < steps, f"one checkpoint, the cancel's, before the last step: {saved}"
     assert logged(server, run_id, "received SIGTERM: checkpoint-"), "the trainer said why it stopped"
     states = {s["type"]: s["timestamp"] for s in run_states(server, run_id)}
-    print(f"cancel: {states['CANCELLING']} -> {states['CANCELLED']}, checkpoint-{saved[0]} of 160")
+    print(f"cancel: {states['CANCELLING']} -> {states['CANCELLED']}, checkpoint-{saved[0]} of {steps}")
 
     rerun = wait_final(server, run_deployment(server, "sft/tiny", params))
     assert rerun["state_type"] == "COMPLETED", state_history(server, rerun["id"])
@@ -405,7 +406,7 @@ def test_a_stage_cancelled_through_the_api_checkpoints_and_its_rerun_resumes_wit
     (reference := tmp_path / "uninterrupted").mkdir()
     losses = dict(map(tuple, train(cfg, "sft", SFTCfg.model_validate(job.config), Path(job.model), Path(job.data), reference)["loss"]))
     resumed = {s: loss for s, loss in map(tuple, summary["loss"]) if s >= saved[0] + 2}  # logged over 2 steps, both resumed
-    assert max(resumed) == 160 and len(resumed) >= 10
+    assert max(resumed) == steps and len(resumed) >= 10
     assert all(resumed[s] == pytest.approx(losses[s], rel=1e-4) for s in resumed), {s: (resumed[s], losses[s]) for s in resumed}
 
 
