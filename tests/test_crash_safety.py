@@ -846,6 +846,10 @@ def test_eval_of_a_mirror_of_the_old_layout_finds_its_models_and_its_recipe(tmp_
     fs.rm(f"{name}/old/{RUNS}", recursive=True)
     found, skipped = models_in_prefix(f"s3://{name}/old", s3, [step])
     assert [m.path for m in found] == [f"s3://{name}/old/sft/final"] and not skipped
+    for key in fs.find(f"{name}/old/sft"):  # a pull's copy under NAME-ID beside it: the same model, scored once
+        fs.copy(key, key.replace("/old/sft/", f"/old/sft-{step.step_id({})}/"))
+    fs.invalidate_cache()
+    assert [m.path for m in models_in_prefix(f"s3://{name}/old", s3, [step])[0]] == [f"s3://{name}/old/sft-{step.step_id({})}/final"]
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint_url)
     assert source_recipe(f"s3://{name}/old", None).name == "micro"
 

@@ -161,8 +161,13 @@ def models_in_run(run_dir: Path, steps: list[Step]) -> list[ModelRef]:
             models.append(
                 ModelRef(str(folder), fingerprint, step.model, "model", step.model, step_id=made_by(folder.parent), scores_as=scores_as)
             )
-    unique = {}
-    for m in models:  # a checkpoint seen mid-rename (partial and committed) counts once
+    return distinct(models)  # a checkpoint seen mid-rename (partial and committed) counts once
+
+
+def distinct(models: list[ModelRef]) -> list[ModelRef]:
+    """Each model content once, the first place it was found: the same files in two folders are one model to score."""
+    unique: dict[str, ModelRef] = {}
+    for m in models:
         unique.setdefault(m.fingerprint, m)
     return list(unique.values())
 
@@ -200,7 +205,7 @@ def models_in_prefix(prefix: str, s3: S3Cfg | None, steps: list[Step]) -> tuple[
             continue
         url = f"s3://{folder}/{sub}" if prefix.startswith("s3://") else f"{folder}/{sub}"
         models.append(ModelRef(url, fingerprint, label, kind, stage, record.get("step"), record.get("tokens"), record.get("step_id")))
-    return models, skipped
+    return distinct(models), skipped  # an old layout's folder and its copy under NAME-ID are one model
 
 
 def layouts(fs, root: str, name: str, inside: str) -> list[str]:
