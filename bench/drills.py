@@ -137,23 +137,31 @@ def compare(reference: dict, drilled: dict, rel: float = 1e-4) -> list[str]:
     return diffs
 
 
+def trainers(run_dir: Path) -> list[psutil.Process]:
+    """Pretraining trainers of RUN_DIR alive now (wherever they run: under the flow, srun or a Ray worker), zombies
+    (killed, not yet reaped) and the tethering wrappers left out."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status", "ppid", "create_time"]):
+        cmd = proc.info["cmdline"] or []
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and "model.train" in cmd and "infra.procs" not in cmd:
+            found += [proc] if any(str(run_dir) in part for part in cmd) else []
+    return found
+
+
 class TrainerWatch:
     """Counts pretraining trainers alive at once under one run dir, polling every 0.2 s; zombies (killed, not yet
     reaped) do not count. When more than one is alive it keeps what they were, to say which."""
 
     def __init__(self, run_dir: Path):
-        self.run_dir, self.most, self.seen, self._stop = str(run_dir), 0, [], threading.Event()
+        self.run_dir, self.most, self.seen, self._stop = run_dir, 0, [], threading.Event()
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:
         while not self._stop.wait(0.2):
-            alive = []
-            for proc in psutil.process_iter(["cmdline", "status", "ppid", "create_time"]):
-                cmd = proc.info["cmdline"] or []
-                if proc.info["status"] == psutil.STATUS_ZOMBIE or "model.train" not in cmd or "infra.procs" in cmd:
-                    continue
-                if any(self.run_dir in part for part in cmd):
-                    alive.append(f"pid {proc.pid} (parent {proc.info['ppid']}, started {proc.info['create_time']:.1f}): {cmd[-1]}")
+            alive = [
+                f"pid {p.pid} (parent {p.info['ppid']}, started {p.info['create_time']:.1f}): {p.info['cmdline'][-1]}"
+                for p in trainers(self.run_dir)
+            ]
             if len(alive) > 1:
                 self.seen.append(f"{time.strftime('%H:%M:%S')}: {'; '.join(alive)}")
             self.most = max(self.most, len(alive))
@@ -356,9 +364,7 @@ def slurm_drill(work: Path, rng: random.Random, kills: int) -> tuple[int, int, l
         proc = start_pipeline(MICRO, run_dir, log, extra, until="pretrain")
         mark = tree_mark(proc)
         while made < kills and proc.poll() is None and "trainer" in pending(run_dir):
-            ranks = [p for p in psutil.process_iter(["cmdline"]) if "model.train" in (cmd := p.info["cmdline"] or [])
-                     and "infra.procs" not in cmd and any(str(run_dir) in part for part in cmd)]  # fmt: skip
-            if not ranks:
+            if not (ranks := trainers(run_dir)):
                 time.sleep(0.2)
                 continue
             time.sleep(rng.uniform(0.5, 4))  # inside the phase, not at its first instant

@@ -530,12 +530,13 @@ def test_a_step_whose_push_failed_is_pushed_when_found_finished(tmp_path, bucket
     assert out.cached and fs.cat_file(f"{remote}/data.txt") == b"tokens" and fs.exists(f"{remote}/{MANIFEST}")
 
 
-def move_on_mirror(fs, src: str, dst: str) -> None:
-    """Every object under SRC to the same name under DST (an older layout, made by hand)."""
+def copy_on_mirror(fs, src: str, dst: str, keep: bool = True) -> None:
+    """Every object under SRC to the same name under DST, SRC kept or not (a layout made by hand)."""
     fs.invalidate_cache()  # the mirror wrote through another client
     for key in fs.find(src):
         fs.copy(key, f"{dst}/{key[len(src) + 1 :]}")
-    fs.rm(src, recursive=True)
+    if not keep:
+        fs.rm(src, recursive=True)
     fs.invalidate_cache()
 
 
@@ -546,7 +547,7 @@ def test_a_step_finished_on_a_mirror_of_the_old_layout_is_pulled_not_rebuilt_and
     from infra.steps import decide
 
     fs, name, s3 = bucket
-    calls: list[str] = []
+    calls: list[int] = []
 
     def make(cfg, inputs, out):
         calls.append(cfg.v)
@@ -556,7 +557,7 @@ def test_a_step_finished_on_a_mirror_of_the_old_layout_is_pulled_not_rebuilt_and
     step = Step("tok", "test", make, Cfg())
     sid = step.step_id({})
     run_step(tmp_path / "machine1", step, {}, Mirror(f"s3://{name}/m", s3))
-    move_on_mirror(fs, f"{name}/m/tok-{sid}", f"{name}/m/tok")  # the old layout
+    copy_on_mirror(fs, f"{name}/m/tok-{sid}", f"{name}/m/tok", keep=False)  # the old layout
     assert not fs.exists(f"{name}/m/tok-{sid}/{MANIFEST}") and fs.exists(f"{name}/m/tok/{MANIFEST}")
 
     mirror = Mirror(f"s3://{name}/m", s3)
@@ -841,14 +842,12 @@ def test_eval_of_a_mirror_of_the_old_layout_finds_its_models_and_its_recipe(tmp_
         assert time.time() < deadline, "the run's recipe never reached its mirror"
         time.sleep(0.5)
         fs.invalidate_cache()
-    move_on_mirror(fs, f"{name}/old/sft-{step.step_id({})}", f"{name}/old/sft")  # the layout before NAME-ID
+    copy_on_mirror(fs, f"{name}/old/sft-{step.step_id({})}", f"{name}/old/sft", keep=False)  # the layout before NAME-ID
     fs.copy(f"{name}/old/{RUNS}/run/{RECIPE}", f"{name}/old/{RECIPE}")
     fs.rm(f"{name}/old/{RUNS}", recursive=True)
     found, skipped = models_in_prefix(f"s3://{name}/old", s3, [step])
     assert [m.path for m in found] == [f"s3://{name}/old/sft/final"] and not skipped
-    for key in fs.find(f"{name}/old/sft"):  # a pull's copy under NAME-ID beside it: the same model, scored once
-        fs.copy(key, key.replace("/old/sft/", f"/old/sft-{step.step_id({})}/"))
-    fs.invalidate_cache()
+    copy_on_mirror(fs, f"{name}/old/sft", f"{name}/old/sft-{step.step_id({})}")  # a pull's copy beside it: one model, scored once
     assert [m.path for m in models_in_prefix(f"s3://{name}/old", s3, [step])[0]] == [f"s3://{name}/old/sft-{step.step_id({})}/final"]
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint_url)
     assert source_recipe(f"s3://{name}/old", None).name == "micro"
