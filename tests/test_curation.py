@@ -5,12 +5,14 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import shutil
 
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
 from infra.recipe import parse_recipe
+from infra.steps import fingerprint_tree
 from tasks.curation import pipelines, tokenizer
 from tasks.curation.mixtures import MixtureError, resolve_mixtures, split_budget
 from tasks.pretrain import mixture_phases
@@ -116,6 +118,32 @@ def test_planted_eval_items_are_removed(planted):
     assert planted["decont"]["indexed_ngrams"]["arithmetic"] == {"items": 300, "ngrams": 0, "short_items": 300}
     assert sorted(i for i in kept if i.startswith("other")) == ["other0", "other1"]  # "68 - 8" is not "68 * 8"
     assert len(kept) == 42
+
+
+def test_curated_files_are_the_same_bytes_wherever_and_whenever_they_are_built(planted, tmp_path):
+    """A step's id hashes its inputs' bytes. Documents carried the absolute path they were read from (datatrove's
+    `file_path`), gzip headers the time of writing and token files the tokenizer's path: each run dir, checkout and
+    rebuild gave the steps from `filter` on ids of their own, so no store could share them."""
+    recipe = planted["recipe"]
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(planted["root"] / "raw", elsewhere / "raw")
+    ingested = elsewhere / "ingest"
+    pipelines.ingest(recipe.sources, {"web": str(elsewhere / "raw")}, recipe.executor, recipe.storage.s3, False, ingested)
+    pipelines.filter_docs({"web": {}}, recipe.executor, ingested, elsewhere / "filter")
+    for step in ("ingest", "filter"):
+        assert fingerprint_tree(elsewhere / step) == fingerprint_tree(planted["steps"][step]), step
+    with gzip.open(next((ingested / "data").rglob("*.jsonl.gz")), "rt") as f:
+        assert json.loads(f.readline())["metadata"]["file"] in {"part0.jsonl", "part1.jsonl"}  # provenance, relative
+    texts = tokenizer.sample_texts([planted["steps"]["decont"] / "data" / "web"], 10**9)
+    tok = tokenizer.train_bpe(texts, vocab_size=400, min_frequency=2)
+    tokenized = []
+    for where in ("here", "there"):
+        tokenizer.save_hf(tok, tmp_path / where / "tok")
+        c = recipe.curate
+        args = ["web"], recipe.executor, recipe.seed, c.heldout_fraction, planted["steps"]["decont"]
+        pipelines.tokenize(*args, tmp_path / where / "tok" / "tokenizer.json", tmp_path / where / "tokenized")
+        tokenized.append(fingerprint_tree(tmp_path / where / "tokenized"))
+    assert tokenized[0] == tokenized[1]
 
 
 def test_tokenized_data_reads_back_to_the_same_text(planted, tmp_path):

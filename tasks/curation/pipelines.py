@@ -334,12 +334,14 @@ def _count_lines(path: Path) -> int:
 
 
 GZIP6 = "gzip6"
-register_compression(GZIP6, lambda f, mode="rb", **kw: gzip.GzipFile(fileobj=f, mode=mode, compresslevel=6, **kw), [], force=True)
+# mtime=0: gzip stamps the time of writing in each file's header, so two builds of the same documents had other
+# bytes, and each build gave the steps downstream new ids
+register_compression(GZIP6, lambda f, mode="rb", **kw: gzip.GzipFile(fileobj=f, mode=mode, compresslevel=6, mtime=0, **kw), [], force=True)
 
 
 class Writer(JsonlWriter):
-    """datatrove's JSONL writer at gzip level 6: its plain "gzip" goes through fsspec's GzipFile at level 9,
-    3x the CPU of level 6 for files ~1% smaller. The files are ordinary `.jsonl.gz`; being a class of this
+    """datatrove's JSONL writer at gzip level 6 with no time stamp: its plain "gzip" goes through fsspec's GzipFile at
+    level 9, 3x the CPU of level 6 for files ~1% smaller. The files are ordinary `.jsonl.gz`; being a class of this
     module, it registers the compression in every process that unpickles it (local, Slurm or Ray workers)."""
 
     def __init__(self, folder: str, output_filename: str):
@@ -353,7 +355,8 @@ def _writer(folder: Path, by_source: bool = True, suffix: str = "") -> Writer:
 
 
 def _reader(folder: Path, glob: str = "*.jsonl.gz") -> JsonlReader:
-    return JsonlReader(str(folder), glob_pattern=glob)
+    """Reads a step's own documents without adding their path (readers.py `get_document_from_dict` says why)."""
+    return JsonlReader(str(folder), glob_pattern=glob, add_file_path=False)
 
 
 def _tasks_for(cfg: ExecutorCfg, n_files: int) -> int:
@@ -646,9 +649,19 @@ def tokenize(
         )
         merger = DocumentTokenizerMerger(str(shards), str(out / DATA / source), save_filename=source, seed=seed, progress=False)
         run_pipeline(executor, [merger], out / "logs" / f"{source}-merge", 1, f"merge-{source}")
+        _name_tokenizer_only(out / DATA / source)
         summary["sources"][source] = token_counts(out / DATA / source) | {"heldout_docs": count_source_docs(out / HELDOUT / source)}
     shutil.rmtree(out / "work", ignore_errors=True)
     return summary
+
+
+def _name_tokenizer_only(folder: Path) -> None:
+    """datatrove heads each `.ds.metadata` with the tokenizer's path as given (absolute, in the run dir): keep only its
+    file name, so the token files' bytes, and the ids of the steps that read them, do not depend on where the run lies."""
+    for meta in folder.glob("*.ds.metadata"):
+        first, *rest = meta.read_text().split("\n")
+        name, size = first.rsplit("|", 1)
+        meta.write_text("\n".join([f"{Path(name).name}|{size}", *rest]))
 
 
 def token_counts(folder: Path) -> dict[str, int]:
