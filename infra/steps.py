@@ -63,6 +63,16 @@ _OWNER_FILE = ".recipe_owner"  # the flow run that froze recipe.json: its retrie
 # run, and checkpoints are mirrored as they are written (model/checkpoint.py).
 CHECKPOINTS = "checkpoints"  # STEP/checkpoints: a trainer's saved states (and on the mirror: NAME-ID/checkpoints)
 UNTRACKED_DIRS = ("logs", CHECKPOINTS)
+JOB = "job.json"  # STEP/job.json: what the step's launched trainer was asked to do
+LAUNCH_CONFIG = "accelerate.json"  # STEP/accelerate.json: accelerate's config for a post-training launch
+METRICS = "metrics.jsonl"  # STEP/metrics.jsonl: a pretraining trainer's losses, times and throughput, a line a log
+PHASE_SUMMARY = "summary.json"  # STEP/summary.json: what a pretraining trainer writes last, once its phase is done
+CARD = "README.md"  # STEP/final/README.md: the model card (tasks/card.py)
+TRL_ARGS = "training_args.bin"  # STEP/final/training_args.bin: TRL's pickled training arguments
+# A build's records, by file name: how it ran, not what it hands downstream. They hold this machine's paths (the job,
+# TRL's arguments) or times (metrics, summaries, the card): left out of the fingerprint, a rebuild that gives the
+# same weights and data gives the steps downstream the same ids (a checkout, a store or a run dir elsewhere too).
+RECORDS = frozenset({MANIFEST, JOB, LAUNCH_CONFIG, METRICS, PHASE_SUMMARY, CARD, TRL_ARGS})
 log = logging.getLogger(__name__)
 
 
@@ -197,12 +207,12 @@ class StepOutput:
         return folder_name(self.name, self.step_id)
 
 
-def fingerprint_tree(root: Path, skip_dirs: tuple[str, ...] = UNTRACKED_DIRS) -> str:
-    """Fingerprint of every file under `root` except the manifest and untracked folders."""
+def fingerprint_tree(root: Path, records: frozenset[str] = RECORDS) -> str:
+    """Fingerprint of every file under `root` but its RECORDS and untracked folders: what it hands downstream."""
     files = []
     for path in root.rglob("*"):
         rel = path.relative_to(root)
-        if path.is_file() and rel.parts[0] not in skip_dirs and path.name != MANIFEST:
+        if path.is_file() and rel.parts[0] not in UNTRACKED_DIRS and path.name not in records:
             files.append((rel.as_posix(), path))
     return fingerprint_files(files)
 
@@ -450,7 +460,8 @@ def _build(store: Path, folder: str, status: Status, mirror: Mirror | None, inpu
             shutil.rmtree(pulled, ignore_errors=True)
             log.info("step %s: pulling the finished copy from %s/%s", step.name, mirror.prefix, where)
             mirror.pull(where, pulled, MANIFEST)
-            if fingerprint_tree(pulled) == remote["fingerprint"]:
+            # a manifest written before records were left out fingerprinted them too
+            if remote["fingerprint"] in (fingerprint_tree(pulled), fingerprint_tree(pulled, frozenset({MANIFEST}))):
                 lock.check()
                 _commit(pulled, final)
                 if where != folder:  # the mirror's old layout: the copy goes where this layout reads it (the old one stays)

@@ -31,7 +31,7 @@ from infra.env import skip_deepspeed_shm_build, thread_count
 from infra.errors import DiskFull
 from infra.procs import PREEMPTED, PREEMPTED_MARK, die_with_parent, watch_owner
 from infra.recipe import S3Cfg, SpikeCfg
-from infra.steps import FINAL
+from infra.steps import FINAL, METRICS, PHASE_SUMMARY
 from infra.storage import Mirror
 from infra.summaries import PhaseSummary
 from model.checkpoint import MARKER, CheckpointStore, MirrorBehind, tag_for, verify, weights_only_engine
@@ -275,7 +275,7 @@ class Tracker:
     def __init__(self, job: TrainJob, rank: int):
         cfg = job.config
         self.enabled = rank == 0
-        self.path = Path(job.out_dir) / "metrics.jsonl"
+        self.path = Path(job.out_dir) / METRICS
         self.run = None
         if self.enabled and cfg.tracking == "trackio":
             try:
@@ -480,7 +480,7 @@ def finish(job: TrainJob, engine, store, tokenizer, tracker, rank, step, guard, 
     )
     if rank == 0 and done:
         export_final(engine, tokenizer, Path(job.out_dir) / FINAL, cfg.yarn_factor)
-        (Path(job.out_dir) / "summary.json").write_text(summary.model_dump_json(indent=2))
+        (Path(job.out_dir) / PHASE_SUMMARY).write_text(summary.model_dump_json(indent=2))
     tracker.finish()
     dist.barrier()
     return summary

@@ -2,10 +2,10 @@
 and publishing a folder to the hub.
 
 A step writes its card into `final/` before it commits, from what it receives (its config, summary, and the
-manifests of its upstream steps, found through its inputs' lineage), so the card is part of the folder's
-fingerprint like the weights. Evaluation results that arrive later (lm-eval, run after the step) go into the
-copy of the card `smolflow publish` uploads, never into the committed folder: rewriting it would change the
-fingerprint that results and downstream steps are keyed by.
+manifests of its upstream steps, found through its inputs' lineage), so the card is committed with the weights
+(a record, infra/steps.py RECORDS: no part of the ids downstream). Evaluation results that arrive later (lm-eval,
+run after the step) go into the copy of the card `smolflow publish` uploads, never into the committed folder:
+rewriting it would change the folder's files, checked against its manifest and listed in its results' key.
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from infra.errors import SmolflowError
-from infra.steps import FINAL, MANIFEST, StepOutput, folder_step_id, identity, read_manifest, version
+from infra.steps import CARD, FINAL, MANIFEST, TRL_ARGS, StepOutput, folder_step_id, identity, read_manifest, version
 from infra.storage import verified_files
 from infra.summaries import ChatDataSummary, PhaseSummary, Summary, TrainedSummary, read_summary
 from postrain.data import sign_slips_note
-
-CARD = "README.md"
 
 LIMITS = (
     "Trained by smolflow as part of a pipeline run. A model of this size, trained on this little data, is a "
@@ -244,7 +242,7 @@ def publish(folder: Path, files: list[Path], card: str, repo_id: str, private: b
     ops = [
         CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
         for p in files
-        if p.name not in (CARD, "training_args.bin")
+        if p.name not in (CARD, TRL_ARGS)
     ]
     ops.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
     info = api.create_commit(repo_id, ops, commit_message=f"smolflow: {folder.parent.name}")

@@ -24,7 +24,7 @@ from infra.errors import TrainerFailed
 from infra.launch import Tail, accelerate_command, free_port, launch_env, run_streaming
 from infra.procs import PREEMPTED
 from infra.recipe import AccelerateCfg, ChatDataCfg, GenerationCfg, PreferenceCfg, Recipe, Strict, TrainerCfg, operational
-from infra.steps import FINAL, NoInputs, Step, StepOutput
+from infra.steps import FINAL, JOB, LAUNCH_CONFIG, NoInputs, Step, StepOutput
 from infra.storage import write_json_atomic
 from infra.summaries import ChatDataSummary, HeldoutEval, PreferenceSummary, TrainedSummary
 from postrain import data as chat
@@ -127,11 +127,11 @@ def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, dat
     result.unlink(missing_ok=True)  # a previous attempt's: only this launch's may count
     config = trainer.model_dump()
     job = PostJob(stage=stage, model=str(model), data=str(data), config=config, out=str(out), seed=cfg.seed, tracking=cfg.tracking)
-    (out / "job.json").write_text(job.model_dump_json(indent=2))
+    (out / JOB).write_text(job.model_dump_json(indent=2))
     import torch
 
     bf16 = torch.cuda.is_available()  # as trl_args decides on the ranks
-    command = accelerate_command(cfg.launcher, "postrain.run", [str(out / "job.json")], out / "accelerate.json", free_port(), bf16)
+    command = accelerate_command(cfg.launcher, "postrain.run", [str(out / JOB)], out / LAUNCH_CONFIG, free_port(), bf16)
     log.info("%s on %d rank(s), ZeRO-%d: %s", stage, cfg.launcher.nproc, cfg.launcher.zero_stage, " ".join(command))
     tracking = tracking_env(run_dir or out) if cfg.tracking else {}
     env = launch_env(cfg.launcher, {"TQDM_MININTERVAL": "15", **tracking})  # progress every 15 s

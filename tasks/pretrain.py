@@ -23,7 +23,7 @@ from infra.errors import SmolflowError, Stopped, TrainerFailed
 from infra.launch import Tail, free_port, launch_command, launch_env, run_streaming
 from infra.procs import OWNER_ENV, PREEMPTED, STOPPING
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
-from infra.steps import CHECKPOINTS, StepOutput
+from infra.steps import CHECKPOINTS, JOB, PHASE_SUMMARY, StepOutput
 from infra.storage import write_json_atomic
 from infra.summaries import PhaseSummary
 from model.config import Schedule, TrainConfig, TrainJob
@@ -181,7 +181,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
         s3_endpoint=cfg.storage.s3.endpoint_url,
         s3_region=cfg.storage.s3.region,
     )
-    job_path = out / "job.json"
+    job_path = out / JOB
     job_path.write_text(job.model_dump_json(indent=2))
     launcher = cfg.launcher
     if launcher.kind == "ray":  # on the worker: one process, or torchrun's ranks
@@ -198,7 +198,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
             if cfg.launcher.kind == "ray"
             else run_streaming(command, env, tail, grace_s=cfg.launcher.stop_grace_s)
         )
-    summary = out / "summary.json"  # written last, by rank 0, once the phase is done
+    summary = out / PHASE_SUMMARY  # written last, by rank 0, once the phase is done
     if code == PREEMPTED and STOPPING.is_set():
         raise Stopped(f"pretrain {t.phase}: this process is stopping; the trainer checkpointed and exited: a relaunch resumes")
     if code == PREEMPTED:

@@ -23,7 +23,7 @@ from infra.errors import DataError, StepLocked
 from infra.locks import acquire
 from infra.procs import HOST, Proc
 from infra.recipe import S3Cfg
-from infra.steps import MANIFEST, Step, run_step
+from infra.steps import JOB, MANIFEST, Step, fingerprint_tree, run_step
 from infra.storage import CorruptFile, Mirror, StorageError, download_folder, inside
 from model.checkpoint import MARKER, CheckpointStore, MirrorBehind
 from tests.conftest import free_port
@@ -552,12 +552,16 @@ def test_a_step_finished_on_a_mirror_of_the_old_layout_is_pulled_not_rebuilt_and
     def make(cfg, inputs, out):
         calls.append(cfg.v)
         (out / "data.txt").write_text(f"tokens {cfg.v}")
+        (out / JOB).write_text(str(out))  # a record: its manifest of those days fingerprinted it too
         return {}
 
     step = Step("tok", "test", make, Cfg())
     sid = step.step_id({})
-    run_step(tmp_path / "machine1", step, {}, Mirror(f"s3://{name}/m", s3))
+    first = run_step(tmp_path / "machine1", step, {}, Mirror(f"s3://{name}/m", s3))
     copy_on_mirror(fs, f"{name}/m/tok-{sid}", f"{name}/m/tok", keep=False)  # the old layout
+    manifest = json.loads(fs.cat_file(f"{name}/m/tok/{MANIFEST}"))
+    manifest["fingerprint"] = fingerprint_tree(first.path, frozenset({MANIFEST}))
+    fs.pipe_file(f"{name}/m/tok/{MANIFEST}", json.dumps(manifest).encode())
     assert not fs.exists(f"{name}/m/tok-{sid}/{MANIFEST}") and fs.exists(f"{name}/m/tok/{MANIFEST}")
 
     mirror = Mirror(f"s3://{name}/m", s3)
@@ -785,8 +789,6 @@ def test_a_step_killed_anywhere_in_its_commit_is_committed_by_the_relaunch_never
     assert count.read_text().split() == ["build"], "exactly one build: the relaunch commits what the first one built"
     manifest = json.loads((run_dir / "tok" / MANIFEST).read_text())
     assert manifest["summary"] == {"shards": 3} and sorted(manifest["files"]) == ["shard0.bin", "shard1.bin", "shard2.bin"]
-    from infra.steps import fingerprint_tree
-
     assert fingerprint_tree(run_dir / "tok") == manifest["fingerprint"]
     left = [p.name for p in (run_dir / "steps" / ".partial").glob("tok-*") if p.suffix != ".lock"]  # a dead holder's lease may stay
     assert not left, f"nothing of the build is left behind: {left}"

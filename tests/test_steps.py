@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,14 @@ import pytest
 from infra.errors import DiskFull, SmolflowError, UpstreamMissing
 from infra.recipe import Strict, operational
 from infra.steps import (
+    CARD,
+    FINAL,
+    JOB,
     MANIFEST,
+    METRICS,
     PARTIAL,
     STEPS,
+    TRL_ARGS,
     Run,
     Step,
     SummaryMismatch,
@@ -78,6 +84,30 @@ def test_downstream_reruns_only_when_upstream_content_changes(tmp_path):
     up3 = run_step(tmp_path, step("up", calls, "different", v=3), {})
     down3 = run_step(tmp_path, step("down", calls, "d"), {"x": up3})
     assert not down3.cached and down3.step_id != down.step_id
+
+
+def test_a_rebuild_elsewhere_with_the_same_outputs_gives_the_steps_downstream_the_same_ids(tmp_path):
+    """A trainer's records (its job with this machine's paths, metrics and summary with times, the model card, TRL's
+    pickled arguments) are no part of what a step hands downstream: a phase rebuilt in another store or run dir
+    with the same weights gives the next phase the same id, so a mirror's copy of it is pulled, not trained again."""
+    built = []
+    for where in ("here", "there"):
+
+        def train(cfg, inputs, out: Path, where=where) -> dict:
+            (out / FINAL).mkdir()
+            (out / FINAL / "model.safetensors").write_bytes(b"the same weights")
+            (out / FINAL / CARD).write_text(f"trained in {time.time()} s")
+            (out / FINAL / TRL_ARGS).write_bytes(str(out).encode())
+            (out / JOB).write_text(json.dumps({"data": str(tmp_path / where / "tokenize")}))
+            (out / METRICS).write_text(json.dumps({"tokens_per_s": time.time()}))
+            return {}
+
+        built.append(run_step(tmp_path / where, Step("phase", "test", train, Cfg()), {}))
+    assert built[0].fingerprint == built[1].fingerprint
+    following = step("next", [], "n")
+    assert following.step_id({"x": built[0]}) == following.step_id({"x": built[1]})
+    (built[1].path / FINAL / "model.safetensors").write_bytes(b"other weights")
+    assert fingerprint_tree(built[1].path) != built[0].fingerprint, "the weights are what it hands downstream"
 
 
 def test_a_full_disk_fails_a_step_or_a_result_naming_the_folder_and_its_free_space_and_spares_what_was_committed(small_disk):

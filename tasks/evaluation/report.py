@@ -15,7 +15,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from infra.steps import Step, StepOutput, finished
+from infra.steps import METRICS, Step, StepOutput, finished
 from infra.summaries import ChatDataSummary, CurationSummary, HeldoutEval, PhaseSummary, TrainedSummary
 from postrain.data import sign_slips_note
 from tasks.evaluation.audit import BEYOND, audit, audit_table
@@ -109,7 +109,7 @@ def _curation(curate: list[Step], steps: dict[str, StepOutput]) -> list[str]:
 def step_metrics(run_dir: Path, step: str) -> list[dict]:
     """A pretraining step's logged metrics (metrics.jsonl), finished or still building."""
     for folder in (run_dir / step, run_dir / ".partial" / step):
-        path = folder / "metrics.jsonl"
+        path = folder / METRICS
         if path.is_file():
             return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return []

@@ -30,7 +30,7 @@ from typing import Any
 from infra.errors import DiskFull, disk_full
 from infra.locks import acquire
 from infra.recipe import EvalCfg, S3Cfg
-from infra.steps import CHECKPOINTS, FINAL, MANIFEST, Step, folder_step_id, identity, read_manifest, step_id
+from infra.steps import CARD, CHECKPOINTS, FINAL, MANIFEST, Step, folder_step_id, identity, read_manifest, step_id
 from infra.storage import file_digest, filesystem, with_retries
 from model.checkpoint import MARKER, is_complete
 
@@ -91,7 +91,7 @@ def fingerprint_listing(files: dict[str, str]) -> str:
 
 
 _listing_cache: dict[tuple[str, float], dict[str, str]] = {}
-CARD, CONFIG = "README.md", "config.json"
+CONFIG = "config.json"
 UNSCORED_CONFIG = ("use_cache",)  # config keys no score depends on (a checkpoint's hf/ and a final export differ in it)
 
 
