@@ -69,10 +69,10 @@ METRICS = "metrics.jsonl"  # STEP/metrics.jsonl: a pretraining trainer's losses,
 PHASE_SUMMARY = "summary.json"  # STEP/summary.json: what a pretraining trainer writes last, once its phase is done
 CARD = "README.md"  # STEP/final/README.md: the model card (tasks/card.py)
 TRL_ARGS = "training_args.bin"  # STEP/final/training_args.bin: TRL's pickled training arguments
-# A build's records, by file name: how it ran, not what it hands downstream. They hold this machine's paths (the job,
+# A build's traces, by file name: how it ran, not what it hands downstream. They hold this machine's paths (the job,
 # TRL's arguments) or times (metrics, summaries, the card): left out of the fingerprint, a rebuild that gives the
 # same weights and data gives the steps downstream the same ids (a checkout, a store or a run dir elsewhere too).
-RECORDS = frozenset({MANIFEST, JOB, LAUNCH_CONFIG, METRICS, PHASE_SUMMARY, CARD, TRL_ARGS})
+TRACES = frozenset({MANIFEST, JOB, LAUNCH_CONFIG, METRICS, PHASE_SUMMARY, CARD, TRL_ARGS})
 log = logging.getLogger(__name__)
 
 
@@ -207,12 +207,12 @@ class StepOutput:
         return folder_name(self.name, self.step_id)
 
 
-def fingerprint_tree(root: Path, records: frozenset[str] = RECORDS) -> str:
-    """Fingerprint of every file under `root` but its RECORDS and untracked folders: what it hands downstream."""
+def fingerprint_tree(root: Path, traces: frozenset[str] = TRACES) -> str:
+    """Fingerprint of every file under `root` but its TRACES and untracked folders: what it hands downstream."""
     files = []
     for path in root.rglob("*"):
         rel = path.relative_to(root)
-        if path.is_file() and rel.parts[0] not in UNTRACKED_DIRS and path.name not in records:
+        if path.is_file() and rel.parts[0] not in UNTRACKED_DIRS and path.name not in traces:
             files.append((rel.as_posix(), path))
     return fingerprint_files(files)
 
@@ -460,7 +460,7 @@ def _build(store: Path, folder: str, status: Status, mirror: Mirror | None, inpu
             shutil.rmtree(pulled, ignore_errors=True)
             log.info("step %s: pulling the finished copy from %s/%s", step.name, mirror.prefix, where)
             mirror.pull(where, pulled, MANIFEST)
-            # a manifest written before records were left out fingerprinted them too
+            # a manifest written before traces were left out fingerprinted them too
             if remote["fingerprint"] in (fingerprint_tree(pulled), fingerprint_tree(pulled, frozenset({MANIFEST}))):
                 lock.check()
                 _commit(pulled, final)

@@ -3,7 +3,7 @@ and publishing a folder to the hub.
 
 A step writes its card into `final/` before it commits, from what it receives (its config, summary, and the
 manifests of its upstream steps, found through its inputs' lineage), so the card is committed with the weights
-(a record, infra/steps.py RECORDS: no part of the ids downstream). Evaluation results that arrive later (lm-eval,
+(a trace, infra/steps.py TRACES: no part of the ids downstream). Evaluation results that arrive later (lm-eval,
 run after the step) go into the copy of the card `smolflow publish` uploads, never into the committed folder:
 rewriting it would change the folder's files, checked against its manifest and listed in its results' key.
 """

@@ -552,7 +552,7 @@ def test_a_step_finished_on_a_mirror_of_the_old_layout_is_pulled_not_rebuilt_and
     def make(cfg, inputs, out):
         calls.append(cfg.v)
         (out / "data.txt").write_text(f"tokens {cfg.v}")
-        (out / JOB).write_text(str(out))  # a record: its manifest of those days fingerprinted it too
+        (out / JOB).write_text(str(out))  # a trace: its manifest of those days fingerprinted it too
         return {}
 
     step = Step("tok", "test", make, Cfg())

@@ -87,7 +87,7 @@ def test_downstream_reruns_only_when_upstream_content_changes(tmp_path):
 
 
 def test_a_rebuild_elsewhere_with_the_same_outputs_gives_the_steps_downstream_the_same_ids(tmp_path):
-    """A trainer's records (its job with this machine's paths, metrics and summary with times, the model card, TRL's
+    """A trainer's traces (its job with this machine's paths, metrics and summary with times, the model card, TRL's
     pickled arguments) are no part of what a step hands downstream: a phase rebuilt in another store or run dir
     with the same weights gives the next phase the same id, so a mirror's copy of it is pulled, not trained again."""
     built = []
