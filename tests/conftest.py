@@ -41,9 +41,10 @@ share_cores()
 # and it ran alone for the last ~4 minutes (so did test_swarm.py's end-to-end test, ~300 CPU s, before it was
 # listed). Within a file its slow tests come first: xdist gives a worker its next file once two of its tests are
 # left, and that file waits behind them (test_swarm.py's end-to-end test, 9-12 min, was last in its file).
-# The order changes only the wall time, never a result.
-LONGEST_FIRST = ["test_cluster.py", "test_deployments.py", "test_pretrain.py", "test_swarm.py", "test_postrain.py", "test_flow.py",
-                 "test_evaluation.py", "test_ablation.py", "test_crash_safety.py"]  # fmt: skip
+# test_cluster.py held every Slurm and Ray test and ran ~32 of the suite's 33 minutes on one worker: its Slurm tests
+# are test_slurm.py now, on another worker with a cluster of its own. The order changes only the wall time, never a result.
+LONGEST_FIRST = ["test_cluster.py", "test_slurm.py", "test_deployments.py", "test_pretrain.py", "test_swarm.py", "test_postrain.py",
+                 "test_flow.py", "test_evaluation.py", "test_ablation.py", "test_crash_safety.py"]  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -204,3 +205,59 @@ def small_disk(tmp_path):
     yield mount
     for folder in mounts:
         subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A real single-node Slurm cluster of the test file's own (test_slurm.py and test_cluster.py run one each at once)."""
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm cluster needs root (its daemons run as root); CI runs as root")
+    from flows.cluster import Slurm
+
+    cluster = Slurm(state=tmp_path_factory.mktemp("slurm"), port=free_port())
+    cluster.start(timeout_s=180)
+    before = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(cluster.conf)
+    yield cluster
+    cluster.stop()
+    if before is None:
+        os.environ.pop("SLURM_CONF")
+    else:
+        os.environ["SLURM_CONF"] = before
+    assert cluster.pid("slurmctld") is None and cluster.pid("slurmd") is None
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A real Ray head with token auth (one file only, test_cluster.py: `ray stop` ends every head of this user)."""
+    from flows.cluster import Ray
+
+    head = Ray(state=tmp_path_factory.mktemp("ray"), port=free_port())
+    head.start()
+    before = {key: os.environ.get(key) for key in head.env()}
+    os.environ.update(head.env())  # its address and token, as `source .smolflow/env` gives them
+    yield head
+    import ray
+
+    ray.shutdown()
+    head.stop()
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key)
+        else:
+            os.environ[key] = value
+    assert not head.up()
+
+
+@pytest.fixture(scope="session")
+def local_swarm(prefect_server, tmp_path_factory) -> list[dict[str, str]]:
+    """What the micro swarm's proxies score trained by this process's children, what every engine must reproduce:
+    built once per `make test` (test_slurm.py and test_cluster.py run on two workers) through a shared store."""
+    from infra.steps import Step, run_step
+    from tests.clusters import train_local_swarm
+
+    built = run_step(shared_root(tmp_path_factory) / "shared", Step("local_swarm", "test", train_local_swarm, Strict()), {})
+    import csv
+
+    with open(built.path / "metrics.csv") as f:
+        return list(csv.DictReader(f))
