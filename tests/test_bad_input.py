@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 
 import pytest
 
@@ -95,6 +96,9 @@ def test_parquet_source_reads(tmp_path):
     pq.write_table(pa.table({"id": ["1", "2"], "text": [GOOD, GOOD + " two"]}), raw / "x.parquet")
     summary = ingest(recipe_for(raw, fmt="parquet"), {"raw": str(raw)}, tmp_path / "out")
     assert summary["sources"]["raw"]["docs"] == 2
+    with gzip.open(next((tmp_path / "out").rglob("*.jsonl.gz")), "rt") as f:
+        metadata = json.loads(f.readline())["metadata"]
+    assert metadata["file"] == "x.parquet" and "file_path" not in metadata, "no absolute path: a step's id would depend on it"
 
 
 def test_missing_source_and_empty_folder(tmp_path):

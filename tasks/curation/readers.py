@@ -63,8 +63,9 @@ class CheckedReaderMixin:
             self.record_error(source_file, line, f"field {self.text_key!r} is empty")
             return None
         document = super().get_document_from_dict(data, source_file, id_in_file)
-        # the file within the source, not datatrove's absolute `file_path`: a document's bytes (and so the ids of
-        # the steps that read it) must not depend on where the source or the run dir lies
+        # the file within the source, not datatrove's absolute `file_path` (its Parquet reader always adds it): a
+        # document's bytes, and so the ids of the steps that read it, must not depend on where the source lies
+        document.metadata.pop("file_path", None)
         document.metadata.update(source=self.source_name, domain=self.domain, file=source_file)
         return document
 
@@ -168,5 +169,4 @@ def make_reader(source: SourceCfg, path: str, glob: str, s3: S3Cfg | None, error
         text_key=source.text_key,
         id_key=source.id_key,
         limit=source.limit or -1,
-        add_file_path=False,
     )
