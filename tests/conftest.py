@@ -42,10 +42,8 @@ share_cores()
 # listed). Within a file its slow tests come first: xdist gives a worker its next file once two of its tests are
 # left, and that file waits behind them (test_swarm.py's end-to-end test, 9-12 min, was last in its file).
 # test_cluster.py held every Slurm and Ray test and ran ~32 of the suite's 33 minutes on one worker: its Slurm tests
-# are test_slurm.py now, on another worker with a cluster of its own, and both end within ~20 minutes. test_swarm.py's
-# end-to-end test (13 min beside them) then became the tail as the fifth file: it starts with them now. The order
-# changes only the wall time, never a result.
-LONGEST_FIRST = ["test_cluster.py", "test_slurm.py", "test_swarm.py", "test_deployments.py", "test_postrain.py", "test_pretrain.py",
+# are test_slurm.py now, on another worker with a cluster of its own. The order changes only the wall time, never a result.
+LONGEST_FIRST = ["test_cluster.py", "test_slurm.py", "test_deployments.py", "test_pretrain.py", "test_swarm.py", "test_postrain.py",
                  "test_flow.py", "test_evaluation.py", "test_ablation.py", "test_crash_safety.py"]  # fmt: skip
 
 
