@@ -59,14 +59,15 @@ def slurm_launcher(**slurm) -> LauncherCfg:
 PROXIES = ["p000", "p001", "p002", "p003"]
 
 
-def micro_swarm(tmp_path: Path, engine: dict[str, str] | None = None) -> tuple[Path, list[str]]:
-    """The micro swarm file (4 proxies, no validation) and the overrides that send its proxies to ENGINE."""
+def micro_swarm(tmp_path: Path, engine: dict[str, str] | None = None, store: Path | None = None) -> tuple[Path, list[str]]:
+    """The micro swarm file (4 proxies, no validation; steps in STORE, else its own) and the overrides that send its
+    proxies to ENGINE."""
     import yaml
 
     from tests.test_swarm import swarm_file
 
     targets = {"smol_ppl_code": 1.0, "smol_ppl_prose": 2.0}  # the micro recipe holds out no math documents
-    path = swarm_file(tmp_path, concurrency=2, bounds={"math": [0.05, 0.5]}, targets=targets, validation=None)
+    path = swarm_file(tmp_path, store, concurrency=2, bounds={"math": [0.05, 0.5]}, targets=targets, validation=None)
     if engine is None:
         return path, []
     overlay = tmp_path / "engine.yaml"
@@ -80,13 +81,18 @@ def scores(root: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def train_local_swarm(cfg: Strict, inputs: NoInputs, out: Path) -> Summary:
-    """The micro swarm run by this process's children; only its scores are kept."""
+class SwarmStore(Strict):
+    store: str
+
+
+def train_local_swarm(cfg: SwarmStore, inputs: NoInputs, out: Path) -> Summary:
+    """The micro swarm run by this process's children, its steps in the session's swarm store (test_swarm.py's swarm
+    finds its proxies there); only its scores are kept here."""
     import shutil
 
     from flows.swarm import swarm_flow
 
-    swarm_flow(str(micro_swarm(out)[0]), str(out / "sw"))
+    swarm_flow(str(micro_swarm(out, store=Path(cfg.store))[0]), str(out / "sw"))
     (out / "metrics.csv").write_bytes((out / "sw" / "report" / "metrics.csv").read_bytes())
     shutil.rmtree(out / "sw")
     return Summary()

@@ -250,13 +250,21 @@ def ray_head(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def local_swarm(prefect_server, tmp_path_factory) -> list[dict[str, str]]:
-    """What the micro swarm's proxies score trained by this process's children, what every engine must reproduce:
-    built once per `make test` (test_slurm.py and test_cluster.py run on two workers) through a shared store."""
-    from infra.steps import Step, run_step
-    from tests.clusters import train_local_swarm
+def swarm_store(tmp_path_factory) -> Path:
+    """The step store of local_swarm's proxies, which test_swarm.py's swarm shares (`storage.store`)."""
+    return shared_root(tmp_path_factory) / "swarm-steps"
 
-    built = run_step(shared_root(tmp_path_factory) / "shared", Step("local_swarm", "test", train_local_swarm, Strict()), {})
+
+@pytest.fixture(scope="session")
+def local_swarm(prefect_server, swarm_store, tmp_path_factory) -> list[dict[str, str]]:
+    """What the micro swarm's proxies score trained by this process's children, what every engine must reproduce:
+    built once per `make test` (test_slurm.py, test_cluster.py and test_swarm.py run on three workers) through a
+    shared store."""
+    from infra.steps import Step, run_step
+    from tests.clusters import SwarmStore, train_local_swarm
+
+    step = Step("local_swarm", "test", train_local_swarm, SwarmStore(store=str(swarm_store)))
+    built = run_step(shared_root(tmp_path_factory) / "shared", step, {})
     import csv
 
     with open(built.path / "metrics.csv") as f:

@@ -17,6 +17,7 @@ from infra.ablation import resolve_ablation
 from infra.recipe import RecipeError
 from infra.swarm import draw_mixtures, load_swarm, proxy_name
 from tasks.pretrain import train_configs
+from tests.clusters import scores
 from tests.helpers import micro_recipe, write_recipe
 
 VALIDATED = ("proposed", "prior", "natural")
@@ -29,8 +30,9 @@ FAST = {
 }
 
 
-def swarm_file(tmp_path: Path, **extra) -> Path:
-    base = write_recipe(tmp_path / "micro.yaml", micro_recipe(**FAST))
+def swarm_file(tmp_path: Path, store: Path | None = None, **extra) -> Path:
+    """A swarm over the micro recipe, its steps in STORE (a project-wide `storage.store`) if given."""
+    base = write_recipe(tmp_path / "micro.yaml", micro_recipe(**FAST, **({"storage.store": str(store)} if store else {})))
     spec = {"name": "mix", "base": base.name, "phase": 0, "proxies": 4, "seed": 3, "targets": TARGETS, **extra}
     path = tmp_path / "swarm.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -236,23 +238,31 @@ def test_a_signalled_swarm_stops_its_proxies_in_flight_and_starts_no_more(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds_nothing(tmp_path, prefect_server):
+def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds_nothing(
+    tmp_path, prefect_server, local_swarm, swarm_store
+):
     from flows.swarm import swarm_flow
 
     # the micro recipe holds out no math documents: its bits per byte cannot be a target
     targets = {"smol_ppl_code": 1.0, "smol_ppl_prose": 2.0}
-    # the validation at 2x the proxies' tokens (4x by default): it trains 6 runs, the most of this test's work
-    path = swarm_file(tmp_path, concurrency=2, bounds={"math": [0.05, 0.5]}, targets=targets, validation={"scale": 2})
+    # the validation at 2x the proxies' tokens (4x by default): it trains 6 runs. The 4 proxies are the same draws as
+    # local_swarm's, whose steps are in the project-wide store this swarm shares: its curation and proxies are cached
+    path = swarm_file(tmp_path, swarm_store, concurrency=2, bounds={"math": [0.05, 0.5]}, targets=targets, validation={"scale": 2})
     root = tmp_path / "sw"
+    log = swarm_store / "builds.jsonl"
+    before = len(log.read_text().splitlines())
     report = Path(swarm_flow(str(path), str(root)))
 
-    builds = [json.loads(line)["folder"].rsplit("-", 1)[0] for line in (root / "steps" / "builds.jsonl").read_text().splitlines()]
+    builds = [json.loads(line)["folder"].rsplit("-", 1)[0] for line in log.read_text().splitlines()]
     assert builds.count("tokenize") == 1 and builds.count("filter") == 1, "curation is built once for every proxy"
+    assert scores(root) == local_swarm, "the proxies' scores, from the steps the other swarm built"
     # the prior's proxy shares the curation run's mixtures step; every other proxy draws its own
     # 4 proxies, then the 3 mixtures x 2 seeds at 2x (a mixtures step per mixture, which its seeds share)
     mixed = {v: json.loads((root / "validate" / f"{v}-seed0" / "mixtures" / "mixtures.json").read_text()) for v in VALIDATED}
     distinct = len({json.dumps(m, sort_keys=True) for m in mixed.values()})
     assert builds.count("mixtures") == 4 + distinct and builds.count("pretrain_phase1") == 4 + 2 * distinct
+    built_here = sorted(builds[before:])  # the validation's runs only
+    assert built_here == ["mixtures"] * distinct + ["pretrain_phase1"] * (2 * distinct), "a proxy was built again"
     with open(root / "report" / "ratios.csv") as f:
         ratios = list(csv.DictReader(f))
     assert [r["run_id"] for r in ratios] == [proxy_name(i) for i in range(4)]
@@ -289,4 +299,4 @@ def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds
     assert {e["task"] for e in compared if e["variant"] == "proposed" and "verdict" in e} == {"smol_ppl_code", "smol_ppl_prose"}
 
     swarm_flow(str(path), str(root))  # the same draws, the same step identities: nothing is built again
-    assert len((root / "steps" / "builds.jsonl").read_text().splitlines()) == len(builds)
+    assert len(log.read_text().splitlines()) == len(builds)
