@@ -107,7 +107,8 @@ def tiny_vocab(pack_dir: Path) -> int:
 def tiny_params(pack_dir: Path) -> int:
     """Parameters of the packed phase's model (the tiny recipe's architecture on its own tokenizer)."""
     from model.config import TrainJob
-    from model.network import count_params, model_config
+    from model.network import model_config
+    from model.plan import count_params
 
     cfg = TrainJob.model_validate_json((pack_dir / "cpu-job.json").read_text()).config
     return count_params(model_config(cfg.model, tiny_vocab(pack_dir), cfg.seq_len))
@@ -122,7 +123,8 @@ def sweep(pack_dir: Path, peak: float, compiled: bool = False) -> list[dict]:
     from infra.recipe import load_recipe
     from model.config import TrainJob
     from model.data import MixtureBatches, TokenSource, sample_order
-    from model.network import flops_per_token, model_config
+    from model.network import model_config
+    from model.plan import flops_per_token
 
     recipe = load_recipe(REPO / "configs" / "tiny.yaml")
     cfg = TrainJob.model_validate_json((pack_dir / "cpu-job.json").read_text()).config
@@ -239,7 +241,8 @@ def scale(pack_dir: Path, out: Path, recipe_path: Path, depths: list[int], seq_l
     import subprocess
 
     from infra.recipe import load_recipe
-    from model.network import count_params, flops_per_token, model_config
+    from model.network import model_config
+    from model.plan import count_params, flops_per_token
     from model.train import measure_peak_flops
 
     pack_dir, out = pack_dir.resolve(), out.resolve()

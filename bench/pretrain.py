@@ -31,7 +31,8 @@ from infra.launch import launch_command, launch_env, run_streaming  # noqa: E402
 from infra.recipe import LauncherCfg, load_recipe  # noqa: E402
 from model.config import Schedule, TrainJob  # noqa: E402
 from model.data import IGNORE, MixtureBatches, TokenSource, sample_order  # noqa: E402
-from model.network import build_model, flops_per_token, model_config, param_groups  # noqa: E402
+from model.network import build_model, model_config, param_groups  # noqa: E402
+from model.plan import flops_per_token  # noqa: E402
 from model.train import lm_loss, measure_peak_flops  # noqa: E402
 from tasks.curation import tokenizer as bpe  # noqa: E402
 

@@ -63,21 +63,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def count_params(config: SmolLM3Config) -> int:
-    """Parameters of the architecture, computed from its shape (the planner needs it without a model)."""
-    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    head_dim = h // config.num_attention_heads
-    kv = config.num_key_value_heads * head_dim
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
-    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
-    return embeddings + layers * per_layer + h
-
-
-def flops_per_token(config: SmolLM3Config, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the weights plus the attention scores (6 * layers * seq * hidden)."""
-    return 6 * count_params(config) + 6 * config.num_hidden_layers * seq_len * config.hidden_size
-
-
 def long_context_config(previous: SmolLM3Config, seq_len: int, rope_theta: float) -> SmolLM3Config:
     """The previous stage's config with a longer context and a raised RoPE base (NoPE layers unchanged)."""
     data = previous.to_dict()

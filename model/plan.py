@@ -10,11 +10,43 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from infra.recipe import ModelCfg, PostrainCfg, PretrainCfg
-from model.network import count_params, flops_per_token, model_config
 
 GiB = 2**30
+
+
+class Shape(Protocol):
+    """What the arithmetic reads of an architecture: transformers' SmolLM3Config, or the recipe's ModelCfg with its
+    vocabulary filled in (so planning never imports transformers, ~10 s of CPU here)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    tie_word_embeddings: bool
+
+
+def count_params(shape: Shape) -> int:
+    """Parameters of the architecture, computed from its shape (the planner needs it without a model)."""
+    h, i, layers = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
+    kv = shape.num_key_value_heads * (h // shape.num_attention_heads)
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
+    embeddings = shape.vocab_size * h * (1 if shape.tie_word_embeddings else 2)
+    return embeddings + layers * per_layer + h
+
+
+def flops_per_token(shape: Shape, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the weights plus the attention scores (6 * layers * seq * hidden)."""
+    return 6 * count_params(shape) + 6 * shape.num_hidden_layers * seq_len * shape.hidden_size
+
+
+def with_vocab(m: ModelCfg, vocab_size: int) -> ModelCfg:
+    """The recipe's architecture with the vocabulary the model gets (model.vocab_size, else the tokenizer's)."""
+    return m.model_copy(update={"vocab_size": m.vocab_size or vocab_size})
 
 
 def gpus_needed(flops: float, peak_flops: float, mfu: float, seconds: float) -> float:
@@ -72,8 +104,8 @@ class Plan:
 
 def plan(m: ModelCfg, p: PretrainCfg, vocab_size: int) -> Plan:
     par, hw = p.parallel, p.hardware
-    config = model_config(m, vocab_size, p.seq_len)
-    params = count_params(config)
+    arch = with_vocab(m, vocab_size)
+    params = count_params(arch)
     gpus = par.dp * par.tp * par.pp
     total_tokens = sum(s.tokens for s in p.phases)
     plans = []
@@ -103,7 +135,7 @@ def plan(m: ModelCfg, p: PretrainCfg, vocab_size: int) -> Plan:
                 gbt,
                 math.ceil(phase.tokens / gbt),
                 6 * params * phase.tokens,
-                flops_per_token(config, seq) * phase.tokens,
+                flops_per_token(arch, seq) * phase.tokens,
                 memory,
                 problems,
             )
@@ -130,8 +162,8 @@ def trainer_plans(m: ModelCfg, post: PostrainCfg, vocab_size: int, memory_gb: fl
     """Every registered trainer (SFT, APO, GRPO) on `post.launcher`: the same 16 bytes per parameter as pretraining, sharded by
     the launcher's ZeRO stage over its ranks, plus activations of the longest micro-step (APO holds a
     chosen and a rejected answer per pair; GRPO a prompt and its completion). Rollout engines (vLLM) not counted."""
-    launcher, config = post.launcher, model_config(m, vocab_size, post.sft.max_length)
-    params, n, z = count_params(config), launcher.nproc, launcher.zero_stage
+    launcher = post.launcher
+    params, n, z = count_params(with_vocab(m, vocab_size)), launcher.nproc, launcher.zero_stage
     plans = []
     for name, cfg in post.trainers().items():
         seqs, seq = cfg.rows_per_example, cfg.longest()

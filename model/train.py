@@ -37,7 +37,8 @@ from infra.summaries import PhaseSummary
 from model.checkpoint import MARKER, CheckpointStore, MirrorBehind, tag_for, verify, weights_only_engine
 from model.config import TrainConfig, TrainJob
 from model.data import IGNORE, MixtureBatches, TokenSource, flatten, sample_order
-from model.network import build_model, flops_per_token, for_training, long_context_config, model_config, param_groups, with_yarn
+from model.network import build_model, for_training, long_context_config, model_config, param_groups, with_yarn
+from model.plan import flops_per_token
 
 # --- process and engine -------------------------------------------------------------------------
 

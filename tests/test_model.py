@@ -13,8 +13,8 @@ from infra.recipe import ModelCfg, load_recipe, parse_recipe
 from model.checkpoint import MARKER, CheckpointStore, is_complete
 from model.config import Schedule
 from model.data import IGNORE, MixtureBatches, TokenSource, sample_order
-from model.network import build_model, count_params, long_context_config, model_config, with_yarn
-from model.plan import gpus_needed, plan
+from model.network import build_model, long_context_config, model_config, with_yarn
+from model.plan import count_params, gpus_needed, plan
 from model.train import _LMLoss, lm_loss
 from tasks.pretrain import train_configs
 from tests.helpers import REPO, micro_recipe
