@@ -641,6 +641,77 @@ def test_a_cancelled_launch_sigterms_its_ranks_which_checkpoint_together_and_the
     assert all(after[s] == pytest.approx(two_rank_losses[s], rel=1e-4) for s in after), {s: (after[s], two_rank_losses[s]) for s in after}
 
 
+def pairs_and_prompts(root: Path) -> dict[str, Path]:
+    """APO's preference pairs (the right answer over a wrong one) and GRPO's prompts, as JSONL files."""
+    items = chat.generate(64, {"arithmetic": 1.0}, 49, 11)
+    pairs = [
+        {"prompt": i["prompt"], "chosen": [i["messages"][1]], "rejected": [{"role": "assistant", "content": "The answer is 0."}]}
+        for i in items
+    ]
+    files = {"apo": (root / "pairs.jsonl", pairs), "grpo": (root / "prompts.jsonl", items)}
+    for path, rows in files.values():
+        chat.write_jsonl(path, rows)
+    return {stage: path for stage, (path, _) in files.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["apo", "grpo"])
+def test_a_cancelled_apo_or_grpo_launch_checkpoints_on_sigterm_and_the_retry_resumes_with_the_same_curve(stage, sft_model, tmp_path):
+    """APO and GRPO go through the same SIGTERM path as SFT: the step in progress finishes, a checkpoint is saved, and
+    the retry continues the curve of a run that was never cancelled (GRPO's rewards too: its rollouts' RNG resumes).
+    That run is the ranks' own function in this process, on one thread as the launched rank (no third launch)."""
+    import torch
+
+    from infra.launch import accelerate_command, free_port, launch_env, run_streaming
+    from postrain.run import PostJob, run
+    from tasks.postrain import train
+
+    data = pairs_and_prompts(tmp_path)[stage]
+    cfg, _, _ = launched_sft(tmp_path / "sft", 1)
+    curve, steps = {"apo": "loss", "grpo": "reward"}[stage], 24
+    common = {"learning_rate": 1e-3, "max_steps": steps, "batch_size": 8, "save_steps": 1000, "logging_steps": 2}
+    trainer = {
+        "apo": lambda: APOCfg(**common),
+        "grpo": lambda: GRPOCfg(**common, num_generations=4, max_completion_length=8, target_length=6, backend="transformers"),
+    }[stage]()
+    model = sft_model / "final"
+
+    def job(out: Path) -> PostJob:
+        out.mkdir()
+        return PostJob(stage=stage, model=str(model), data=str(data), config=trainer.model_dump(), out=str(out), seed=cfg.seed)
+
+    threads, handlers = torch.get_num_threads(), {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    torch.set_num_threads(cfg.launcher.threads_per_rank)
+    try:
+        uninterrupted = dict(map(tuple, run(job(tmp_path / "uninterrupted"))[curve]))
+    finally:  # the trainer's signal handlers are a rank's, not this test process's
+        torch.set_num_threads(threads)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    out = tmp_path / "cancelled"
+    (out / "job.json").write_text(job(out).model_dump_json())
+    command = accelerate_command(cfg.launcher, "postrain.run", [str(out / "job.json")], out / "accelerate.json", free_port(), False)
+    lines: list[str] = []
+
+    def cancel_after_two_logs(line: str) -> None:
+        lines.append(line)
+        if f"'{curve}'" in line and sum(f"'{curve}'" in seen for seen in lines) == 2:  # steps 2 and 4 logged
+            raise Cancelled
+
+    with pytest.raises(Cancelled):
+        run_streaming(command, launch_env(cfg.launcher), cancel_after_two_logs, grace_s=120)
+    said = "\n".join(lines)
+    assert not psutil_children(), f"no rank outlives the cancel:\n{said}"
+    saved = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("checkpoint-*"))
+    assert len(saved) == 1 and 4 <= saved[0] < steps, f"one checkpoint, the cancel's: {saved}\n{said}"
+    assert "received SIGTERM: checkpoint-" in said and not (out / "final").exists(), said
+    resumed = train(cfg, stage, trainer, model, data, out)
+    assert resumed["resumed_from"].endswith(f"checkpoint-{saved[0]}")
+    after = {s: v for s, v in map(tuple, resumed[curve]) if s >= saved[0] + 2}  # logged over 2 steps, both resumed
+    assert max(after) == steps and len(after) >= 4
+    assert all(after[s] == pytest.approx(uninterrupted[s], rel=1e-4) for s in after), {s: (after[s], uninterrupted[s]) for s in after}
+
+
 def psutil_children() -> list:
     import psutil
 
