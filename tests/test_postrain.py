@@ -605,32 +605,40 @@ class Cancelled(Exception):
     """What a Prefect cancel raises in the task's thread."""
 
 
-@pytest.mark.slow
-def test_a_cancelled_launch_sigterms_its_ranks_which_checkpoint_together_and_the_retry_resumes_with_the_same_losses(
-    base, tmp_path, two_rank_losses
-):
-    """A cancel once SIGKILLed the ranks: everything since the last periodic checkpoint (every 1000 steps here) was lost."""
+def cancelled_launch(cfg, job, curve: str) -> tuple[str, list[int]]:
+    """Launch JOB as the pipeline does and cancel it as Prefect does (an exception in the task's thread) once CURVE was
+    logged twice (steps 2 and 4): what the ranks said, and the checkpoints they left. No rank may outlive the cancel."""
     from infra.launch import accelerate_command, free_port, launch_env, run_streaming
-    from postrain.run import PostJob
-    from tasks.postrain import train
 
-    out = tmp_path / "cancelled"
-    cfg, sft, data = launched_sft(out, 2, max_steps=60, save_steps=1000)
-    job = PostJob(stage="sft", model=str(base), data=str(data), config=sft.model_dump(), out=str(out), seed=cfg.seed)
+    out = Path(job.out)
     (out / "job.json").write_text(job.model_dump_json())
     command = accelerate_command(cfg.launcher, "postrain.run", [str(out / "job.json")], out / "accelerate.json", free_port(), False)
     lines: list[str] = []
 
     def cancel_after_two_logs(line: str) -> None:
         lines.append(line)
-        if "'loss'" in line and sum("'loss'" in seen for seen in lines) == 2:  # steps 2 and 4 logged
+        if f"'{curve}'" in line and sum(f"'{curve}'" in seen for seen in lines) == 2:
             raise Cancelled
 
     with pytest.raises(Cancelled):
         run_streaming(command, launch_env(cfg.launcher), cancel_after_two_logs, grace_s=120)
     said = "\n".join(lines)
     assert not psutil_children(), f"no rank outlives the cancel:\n{said}"
-    saved = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("checkpoint-*"))
+    return said, sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("checkpoint-*"))
+
+
+@pytest.mark.slow
+def test_a_cancelled_launch_sigterms_its_ranks_which_checkpoint_together_and_the_retry_resumes_with_the_same_losses(
+    base, tmp_path, two_rank_losses
+):
+    """A cancel once SIGKILLed the ranks: everything since the last periodic checkpoint (every 1000 steps here) was lost."""
+    from postrain.run import PostJob
+    from tasks.postrain import train
+
+    out = tmp_path / "cancelled"
+    cfg, sft, data = launched_sft(out, 2, max_steps=60, save_steps=1000)
+    job = PostJob(stage="sft", model=str(base), data=str(data), config=sft.model_dump(), out=str(out), seed=cfg.seed)
+    said, saved = cancelled_launch(cfg, job, "loss")
     assert len(saved) == 1 and 4 <= saved[0] < 60, f"one checkpoint, at the step the ranks agreed on: {saved}\n{said}"
     assert not (out / "result.json").exists() and not (out / "final").exists()
     assert "stopping: SIGTERM to 2 rank(s) of postrain.run" in said and "received SIGTERM: checkpoint-" in said, said
@@ -662,7 +670,6 @@ def test_a_cancelled_apo_or_grpo_launch_checkpoints_on_sigterm_and_the_retry_res
     That run is the ranks' own function in this process, on one thread as the launched rank (no third launch)."""
     import torch
 
-    from infra.launch import accelerate_command, free_port, launch_env, run_streaming
     from postrain.run import PostJob, run
     from tasks.postrain import train
 
@@ -689,20 +696,7 @@ def test_a_cancelled_apo_or_grpo_launch_checkpoints_on_sigterm_and_the_retry_res
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     out = tmp_path / "cancelled"
-    (out / "job.json").write_text(job(out).model_dump_json())
-    command = accelerate_command(cfg.launcher, "postrain.run", [str(out / "job.json")], out / "accelerate.json", free_port(), False)
-    lines: list[str] = []
-
-    def cancel_after_two_logs(line: str) -> None:
-        lines.append(line)
-        if f"'{curve}'" in line and sum(f"'{curve}'" in seen for seen in lines) == 2:  # steps 2 and 4 logged
-            raise Cancelled
-
-    with pytest.raises(Cancelled):
-        run_streaming(command, launch_env(cfg.launcher), cancel_after_two_logs, grace_s=120)
-    said = "\n".join(lines)
-    assert not psutil_children(), f"no rank outlives the cancel:\n{said}"
-    saved = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("checkpoint-*"))
+    said, saved = cancelled_launch(cfg, job(out), curve)
     assert len(saved) == 1 and 4 <= saved[0] < steps, f"one checkpoint, the cancel's: {saved}\n{said}"
     assert "received SIGTERM: checkpoint-" in said and not (out / "final").exists(), said
     resumed = train(cfg, stage, trainer, model, data, out)
