@@ -497,11 +497,17 @@ def test_length_penalty_shortens_a_rambling_model(base, tmp_path):
     assert sum(lengths[-4:]) / 4 < sum(lengths[:4]) / 4
 
 
-def launched_sft(out: Path, nproc: int, zero_stage: int = 0, max_steps: int = 12, save_steps: int = 4):
-    """The SFT step's trainer as the pipeline launches it: a job for postrain/run.py under `accelerate launch`."""
+def launched(nproc: int, zero_stage: int = 0):
+    """A trained step's config as the pipeline launches its trainer: postrain/run.py on NPROC ranks of one thread."""
     from infra.recipe import AccelerateCfg, GenerationCfg
     from tasks.postrain import TrainedStepCfg
 
+    launcher = AccelerateCfg(nproc=nproc, zero_stage=zero_stage, threads_per_rank=1)
+    return TrainedStepCfg(launcher=launcher, heldout_eval=GenerationCfg(), seed=0)
+
+
+def launched_sft(out: Path, nproc: int, zero_stage: int = 0, max_steps: int = 12, save_steps: int = 4):
+    """The SFT step's trainer as the pipeline launches it: a job for postrain/run.py under `accelerate launch`."""
     data = out.parent / "train.jsonl"
     if not data.exists():
         chat.write_jsonl(data, chat.generate(600, {"arithmetic": 1.0}, 49, 7))
@@ -509,8 +515,7 @@ def launched_sft(out: Path, nproc: int, zero_stage: int = 0, max_steps: int = 12
     sft = SFTCfg(
         learning_rate=3e-3, max_steps=max_steps, batch_size=8, save_steps=save_steps, logging_steps=2, weak_checkpoint_step=2, max_length=96
     )
-    launcher = AccelerateCfg(nproc=nproc, zero_stage=zero_stage, threads_per_rank=1)
-    return TrainedStepCfg(launcher=launcher, heldout_eval=GenerationCfg(), seed=0), sft, data
+    return launched(nproc, zero_stage), sft, data
 
 
 def weights(path: Path) -> dict:
@@ -674,7 +679,7 @@ def test_a_cancelled_apo_or_grpo_launch_checkpoints_on_sigterm_and_the_retry_res
     from tasks.postrain import train
 
     data = pairs_and_prompts(tmp_path)[stage]
-    cfg, _, _ = launched_sft(tmp_path / "sft", 1)
+    cfg = launched(1)
     curve, steps = {"apo": "loss", "grpo": "reward"}[stage], 24
     common = {"learning_rate": 1e-3, "max_steps": steps, "batch_size": 8, "save_steps": 1000, "logging_steps": 2}
     trainer = {
@@ -725,7 +730,7 @@ def test_grpo_with_vllm_rollouts_records_its_rewards_and_resumes_after_a_kill(vl
     from infra.errors import TrainerFailed
     from tasks.postrain import train
 
-    cfg, _, _ = launched_sft(tmp_path, 1)
+    cfg = launched(1)
     data = tmp_path / "prompts.jsonl"
     chat.write_jsonl(data, chat.generate(200, {"arithmetic": 1.0}, 9, 13))
     grpo = GRPOCfg(
