@@ -2,19 +2,17 @@
 
 No rank may outlive the task that launched it, or a relaunch would train beside it. torchrun starts
 its workers in new sessions, so killing the launcher or its process group leaves ranks running;
-`run_streaming` therefore kills the process tree (children first) when the command ends badly or
-the task is cancelled; cancelled, the ranks first get SIGTERM and a grace period to checkpoint, as
-Slurm gives a preempted job (the launchers in between are not signalled: their death would kill the
-ranks at once, through PR_SET_PDEATHSIG). When the task process itself is SIGKILLed no `finally` runs: the launcher is
-tethered to it (infra/procs.py), the ranks watch it, and the step lock records the launcher so the
-next holder kills a tree that still lives.
+``run_streaming` therefore starts the command under a tether (infra/procs.py) and stops the whole tree
+when the command ends badly or the task is cancelled: the ranks first get SIGTERM and a grace period to
+checkpoint, as Slurm gives a preempted job. The tether enforces that grace itself, so it holds when the
+task process is SIGKILLed mid-way (no `finally` runs: the tether sees its owner die), and the step lock
+records the tether so the next holder stops a tree that still lives.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,11 +21,9 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
-
 from infra.env import thread_count
 from infra.locks import lease_env, record_child
-from infra.procs import STOPPING, kill_tree, owner_env, tethered
+from infra.procs import GRACE_ENV, REAP_GRACE_S, STOPPING, kill_tree, tethered
 from infra.recipe import AccelerateCfg, LauncherCfg
 
 POLL_S = 0.5  # how often a loop that waits on a job or trainer looks at STOPPING
@@ -107,7 +103,7 @@ def accelerate_command(cfg: AccelerateCfg, module: str, args: list[str], config:
 
 def launch_env(cfg: LauncherCfg | AccelerateCfg, extra: dict[str, str] | None = None) -> dict[str, str]:
     threads = str(thread_count(cfg.threads_per_rank))
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1", **owner_env(), **lease_env(), **(extra or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1", **lease_env(), **(extra or {})}
     if not getattr(cfg, "hostfile", None):  # one node: collectives listen on loopback only
         env["GLOO_SOCKET_IFNAME"] = "lo"
     if isinstance(cfg, LauncherCfg) and cfg.kind == "python":  # a lone process still needs a rendezvous, or DeepSpeed tries MPI discovery
@@ -121,10 +117,11 @@ def run_streaming(
     """Run `command`, passing each line of its output (stdout and stderr) to `on_line`; returns the exit code.
     Cancelled or interrupted, its ranks get SIGTERM and GRACE_S to checkpoint and exit before the tree is killed;
     so too, in a thread beside the main one (where no signal's exception reaches), once the process is STOPPING."""
+    env = {**env, GRACE_ENV: str(grace_s)}
     proc = subprocess.Popen(tethered(command), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     ended = threading.Event()
     if threading.current_thread() is not threading.main_thread():
-        threading.Thread(target=_stop_when_stopping, args=(proc, command, grace_s, on_line, ended), daemon=True).start()
+        threading.Thread(target=_stop_when_stopping, args=(proc, grace_s, on_line, ended), daemon=True).start()
     try:
         record_child(proc.pid)
         for line in proc.stdout:
@@ -135,44 +132,27 @@ def run_streaming(
         if proc.poll() is None:  # cancelled or interrupted: no rank may survive the task
             drain = threading.Thread(target=_drain, args=(proc.stdout, on_line), daemon=True)
             drain.start()  # the ranks' last lines (their checkpoint) still reach the log, and a full pipe never blocks them
-            stop_tree(proc.pid, command, grace_s, on_line)
+            _stop(proc, grace_s)
             drain.join(timeout=5)
         proc.stdout.close()
 
 
-def _stop_when_stopping(
-    proc: subprocess.Popen, command: list[str], grace_s: float, on_line: Callable[[str], None], ended: threading.Event
-) -> None:
+def _stop(tether: subprocess.Popen, grace_s: float) -> None:
+    """Ask the tether to stop its tree (it gives the ranks GRACE_S), and kill the tree if it has not within that."""
+    tether.terminate()
+    try:
+        tether.wait(grace_s + REAP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        kill_tree(tether.pid)
+
+
+def _stop_when_stopping(proc: subprocess.Popen, grace_s: float, on_line: Callable[[str], None], ended: threading.Event) -> None:
     while not ended.is_set():
         if STOPPING.wait(POLL_S):
             if not ended.is_set() and proc.poll() is None:
                 on_line("this process is stopping (a signal)")
-                stop_tree(proc.pid, command, grace_s, on_line)
+                _stop(proc, grace_s)
             return
-
-
-def stop_tree(pid: int, command: list[str], grace_s: float, on_line: Callable[[str], None]) -> None:
-    """SIGTERM the ranks under PID (the deepest processes running COMMAND's module, below any launcher), wait up to
-    GRACE_S for them to checkpoint and exit, then kill the whole tree."""
-    flags = [i for i, arg in enumerate(command[:-1]) if arg in ("-m", "--module")]
-    module = command[flags[-1] + 1] if flags else None  # the last: torchrun is itself `-m torch.distributed.run`
-    try:
-        tree = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
-    except psutil.NoSuchProcess:
-        return
-    runs = [p for p in tree if module and _runs(p, module)]
-    ranks = [p for p in runs if not any(_runs(c, module) for c in _children(p))]
-    if ranks and grace_s > 0:
-        on_line(f"stopping: SIGTERM to {len(ranks)} rank(s) of {module}, {grace_s:.0f} s to checkpoint and exit")
-        for rank in ranks:
-            try:
-                rank.send_signal(signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(ranks, timeout=grace_s)
-        if alive:
-            on_line(f"stopping: {len(alive)} rank(s) still running after {grace_s:.0f} s: killed")
-    kill_tree(pid)
 
 
 def stream_lines(log: Path, offset: int, on_line: Callable[[str], None]) -> int:
@@ -194,18 +174,3 @@ def _drain(stream, on_line: Callable[[str], None]) -> None:
             on_line(line.rstrip())
     except Exception:  # noqa: BLE001  the log of a task being cancelled: nothing left to tell
         pass
-
-
-def _runs(proc: psutil.Process, module: str) -> bool:
-    try:
-        cmd = proc.cmdline()
-    except psutil.Error:
-        return False
-    return module in cmd
-
-
-def _children(proc: psutil.Process) -> list[psutil.Process]:
-    try:
-        return proc.children(recursive=True)
-    except psutil.Error:
-        return []

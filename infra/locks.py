@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 
 from infra.errors import SmolflowError, StepLocked
-from infra.procs import HOST, Proc, kill_tree
+from infra.procs import HOST, Proc, stop
 
 LEASE_S = 120.0  # another host takes a lock over once its heartbeat is this old
 FIRST_WRITE_S = 10.0  # a holder writes its lease within this of creating the file: an empty file older than it is a dead one's
@@ -214,12 +214,15 @@ def acquire(path: Path, lease_s: float | None = None) -> Lock | None:
             os.close(fd)
             return None
         log.warning("lock %s: taking over from %s (its process is gone or its lease expired)", path, describe(old))
-        _kill_leftovers(path, old)
-    return Lock(path, fd, lease_s, epoch=int((old or {}).get("epoch", 0)) + 1)
+    lock = Lock(path, fd, lease_s, epoch=int((old or {}).get("epoch", 0)) + 1)  # our lease first: stopping leftovers takes a while
+    if old is not None:
+        _stop_leftovers(path, old)
+    return lock
 
 
-def _kill_leftovers(path: Path, old: dict[str, Any]) -> None:
-    """Kill the processes the previous holder launched, when they are ours and carry its lease token."""
+def _stop_leftovers(path: Path, old: dict[str, Any]) -> None:
+    """Stop the processes the previous holder launched, when they are ours and carry its lease token: a launched tree
+    is given the rest of its grace to checkpoint (its tether stops it since the holder died), then killed."""
     for child in old.get("children", []):
         proc = Proc.load(child).process()
         if proc is None:
@@ -231,8 +234,8 @@ def _kill_leftovers(path: Path, old: dict[str, Any]) -> None:
         if not ours or not old.get("token"):
             log.warning("lock %s: pid %d is listed by the previous holder but does not carry its lease token: left alone", path, proc.pid)
             continue
-        log.warning("lock %s: killing pid %d, left running by the previous holder", path, proc.pid)
-        kill_tree(proc)
+        log.warning("lock %s: stopping pid %d, left running by the previous holder", path, proc.pid)
+        stop([proc])
 
 
 def holder(path: Path) -> dict[str, Any] | None:
@@ -288,7 +291,7 @@ def holding(lock: Lock) -> Iterator[Lock]:
 
 
 def lease_env() -> dict[str, str]:
-    """The environment that marks a launched process as the held lease's (see `_kill_leftovers`)."""
+    """The environment that marks a launched process as the held lease's (see `_stop_leftovers`)."""
     lock = _HELD.get()
     return {LEASE_ENV: lock.token} if lock is not None else {}
 

@@ -3,16 +3,20 @@
 A pid alone names a process only while it lives: after it exits the kernel may give the number
 to another, so anything recorded to kill or wait for later is a `Proc` (host, pid, start time).
 
-`python -m infra.procs OWNER -- COMMAND...` runs COMMAND (a launcher: torchrun, deepspeed) so that
-the kernel kills it when the thread that started it dies (PR_SET_PDEATHSIG survives exec); ranks
-further down the tree watch the owner named in SMOLFLOW_OWNER (`watch_owner`), because launchers
-start them in sessions and processes of their own where no signal follows. `--while PID:START`
-runs COMMAND until a process that is not its parent exits (`guarded`).
+`python -m infra.procs OWNER -- COMMAND...` is the tether (`tethered`): it runs COMMAND (a launcher:
+torchrun, deepspeed, or a lone rank) as its child and stops it when the thread that started the tether
+dies (PR_SET_PDEATHSIG) or when it is sent SIGTERM: the ranks get SIGTERM and the grace in SMOLFLOW_GRACE_S
+to checkpoint, then the tree is killed (`stop_tree`). So a cancel's grace holds even when the task process
+is SIGKILLed before it ends (Prefect's runner does, 30 s after its SIGTERM). The ranks watch the tether,
+named in SMOLFLOW_OWNER (`watch_owner`), because launchers start them in sessions and processes of their
+own where no signal follows; the launcher dies with the tether. `--while PID:START` runs COMMAND until
+a process that is not its parent exits (`guarded`).
 
 A flow process marks its tree: every process started after `reap_when_gone()` inherits SMOLFLOW_TREE
 through its environment, however deep and in whatever session (Prefect's temporary API server, pool
 workers, forks, eval and vLLM children), and a reaper (`python -m infra.procs --reap PID:START`, in a
-session of its own) kills what still carries the mark once the flow process is gone, SIGKILL included.
+session of its own) kills what still carries the mark once the flow process is gone, SIGKILL included;
+a launched tree (it carries SMOLFLOW_GRACE_S) is its tether's to stop, and killed only after that grace.
 Daemons meant to outlive it (the local server, worker, Slurm and Ray, Slurm jobs a relaunch follows) are
 started with `detached(env)`, which drops the mark.
 """
@@ -26,7 +30,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,7 +42,9 @@ PREEMPTED = 75  # a trainer's exit after a checkpoint forced by SIGTERM/SIGUSR1 
 PREEMPTED_MARK = "preempted"
 
 TREE_ENV = "SMOLFLOW_TREE"  # "PID:START" of the flow process whose tree a process belongs to (see module doc)
-OWNER_ENV = "SMOLFLOW_OWNER"  # "PID:START" of the task process that owns a launched tree
+OWNER_ENV = "SMOLFLOW_OWNER"  # "PID:START" of the tether that owns a launched tree (see module doc)
+GRACE_ENV = "SMOLFLOW_GRACE_S"  # seconds a launched tree's ranks have, after SIGTERM, to checkpoint and exit
+REAP_GRACE_S = 5.0  # what any other process has, after SIGTERM, before it is killed
 HOST = socket.gethostname()
 
 # Set when this process is told to stop (SIGTERM: a scheduler, a cancel; SIGINT): Prefect turns the signal into
@@ -136,12 +142,9 @@ def kill_tree(pid: int | psutil.Process) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
-def owner_env() -> dict[str, str]:
-    return {OWNER_ENV: Proc.of().token}
-
-
 def watch_owner(poll_s: float = 1.0) -> None:
-    """In a rank: exit at once when the task process that launched the job is gone (see module doc)."""
+    """In a rank: exit at once when the tether that launched it is gone (see module doc): it stops the ranks
+    with a grace first, so this is the last resort when the tether itself was killed."""
     value = os.environ.get(OWNER_ENV)
     if not value:
         return
@@ -198,26 +201,88 @@ def reap_when_gone() -> None:
     )
 
 
-def reap(token: str, poll_s: float = 0.5, grace_s: float = 5.0) -> None:
-    """Wait until the process TOKEN names is gone, then SIGTERM what carries its mark, SIGKILL after GRACE_S."""
+def reap(token: str, poll_s: float = 0.5) -> None:
+    """Wait until the process TOKEN names is gone, then stop what carries its mark (`stop`)."""
     owner = Proc.parse(token)
     while owner.process() is not None:
         time.sleep(poll_s)
-    left = census(token)
-    for proc in left:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(left, timeout=grace_s)
-    for proc in alive:
-        kill_tree(proc)
+    stop(census(token))
 
 
-def die_with_parent(expected_parent: int | None = None) -> None:
-    """Ask the kernel to SIGKILL this process when its parent thread dies; exit now if it already has."""
+def grace_of(proc: psutil.Process) -> float | None:
+    """The grace of the launched tree PROC belongs to (GRACE_ENV), or None when it is not in one."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        value = proc.environ().get(GRACE_ENV)
+        return None if value is None else float(value)
+    except (psutil.Error, ValueError):
+        return None
+
+
+def stop(procs: list[psutil.Process]) -> None:
+    """SIGTERM each of PROCS and kill its tree REAP_GRACE_S later; a process of a launched tree is not signalled
+    (its tether stops it: a SIGTERM to the launcher would kill the ranks at once) and is killed only once its
+    grace is over too."""
+    now, deadline = time.monotonic(), {}
+    for proc in procs:
+        grace = grace_of(proc)
+        deadline[proc] = now + REAP_GRACE_S + (grace or 0.0)
+        if grace is None:
+            try:
+                proc.terminate()
+            except psutil.Error:
+                pass
+    alive = list(procs)
+    while alive:
+        _, alive = psutil.wait_procs(alive, timeout=max(0.0, min(deadline[p] for p in alive) - time.monotonic()))
+        for proc in [p for p in alive if deadline[p] <= time.monotonic()]:
+            kill_tree(proc)
+            alive.remove(proc)
+
+
+def stop_tree(pid: int, command: list[str], grace_s: float, say: Callable[[str], None]) -> None:
+    """SIGTERM the ranks under PID (the deepest processes running COMMAND's module, below any launcher), wait up to
+    GRACE_S for them to checkpoint and exit, then kill the whole tree. The launchers in between are not signalled:
+    their death would kill the ranks at once."""
+    flags = [i for i, arg in enumerate(command[:-1]) if arg in ("-m", "--module")]
+    module = command[flags[-1] + 1] if flags else None  # the last: torchrun is itself `-m torch.distributed.run`
+    try:
+        tree = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
+    except psutil.NoSuchProcess:
+        return
+    runs = [p for p in tree if module and _runs(p, module)]
+    ranks = [p for p in runs if not any(_runs(c, module) for c in _children(p))]
+    if ranks and grace_s > 0:
+        say(f"stopping: SIGTERM to {len(ranks)} rank(s) of {module}, {grace_s:.0f} s to checkpoint and exit")
+        for rank in ranks:
+            try:
+                rank.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(ranks, timeout=grace_s)
+        if alive:
+            say(f"stopping: {len(alive)} rank(s) still running after {grace_s:.0f} s: killed")
+    kill_tree(pid)
+
+
+def _runs(proc: psutil.Process, module: str) -> bool:
+    try:
+        cmd = proc.cmdline()
+    except psutil.Error:
+        return False
+    return module in cmd
+
+
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send SIG (SIGKILL: die) to this process when its parent thread dies; exit now if it already has."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except OSError:
         pass
     if os.getppid() == 1 or (expected_parent is not None and os.getppid() != expected_parent):
@@ -225,8 +290,27 @@ def die_with_parent(expected_parent: int | None = None) -> None:
 
 
 def tethered(command: list[str]) -> list[str]:
-    """COMMAND, run so that it dies with the calling thread (see module doc)."""
+    """COMMAND, run so that it is stopped when the calling thread dies (see module doc)."""
     return [sys.executable, "-m", "infra.procs", str(os.getpid()), "--", *command]
+
+
+def tether(owner_pid: int, command: list[str], poll_s: float = 0.5) -> int:
+    """Run COMMAND as a child until it exits, or until OWNER_PID's thread dies or this process gets SIGTERM; then
+    `stop_tree` it with the grace in GRACE_ENV. Returns its exit code (see module doc)."""
+    import subprocess
+
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    # a terminal's Ctrl-C reaches the owner too, which stops us; a handler, as SIG_IGN would pass on to COMMAND
+    signal.signal(signal.SIGINT, lambda *_: None)
+    die_with_parent(owner_pid, signal.SIGTERM)
+    me = os.getpid()
+    child = subprocess.Popen(command, env={**os.environ, OWNER_ENV: Proc.of().token}, preexec_fn=lambda: die_with_parent(me))
+    while child.poll() is None:
+        if stopping.wait(poll_s):
+            stop_tree(child.pid, command, float(os.environ.get(GRACE_ENV, 0)), lambda line: print(line, flush=True))
+            break
+    return child.wait()
 
 
 def guarded(server: Proc, command: list[str]) -> list[str]:
@@ -270,8 +354,12 @@ def main() -> None:
     parent, sep, *command = sys.argv[1:]
     if sep != "--" or not command:
         sys.exit("usage: python -m infra.procs OWNER_PID -- COMMAND...")
-    die_with_parent(int(parent))
-    os.execvp(command[0], command)
+    code = tether(int(parent), command)
+    if code < 0:  # killed by a signal: end the same way, so the owner reads what it would have read from COMMAND
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)  # our own handler, SIGTERM's, must not catch it
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

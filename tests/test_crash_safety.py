@@ -118,17 +118,22 @@ def test_a_live_lease_from_another_host_is_respected(tmp_path, caplog, monkeypat
     assert builds(tmp_path) == []
 
 
-def test_a_leftover_trainer_is_killed_by_the_next_holder_but_a_reused_or_foreign_pid_is_not(tmp_path):
+def test_a_leftover_trainer_is_stopped_by_the_next_holder_but_a_reused_or_foreign_pid_is_not(tmp_path):
     from infra.locks import LEASE_ENV
+    from infra.procs import GRACE_ENV
 
     token = "a1" * 16
     leftover = subprocess.Popen(["sleep", "120"], env={**os.environ, LEASE_ENV: token})  # launched under the lease
     bystander = subprocess.Popen(["sleep", "120"], env={**os.environ, LEASE_ENV: token})
     foreign = subprocess.Popen(["sleep", "120"])  # ours, alive, named in the lease, but never launched under it
+    saved = tmp_path / "saved"
+    save = f"import time; time.sleep(3); open({str(saved)!r}, 'w').close()"  # a launched tree finishing its checkpoint
+    stopping = subprocess.Popen([sys.executable, "-c", save], env={**os.environ, LEASE_ENV: token, GRACE_ENV: "60"})
     dead_owner = subprocess.Popen(["true"])
     dead_owner.wait()
     lock = tmp_path / "step.lock"
     children = [Proc.of(leftover.pid).dump(), {**Proc.of(bystander.pid).dump(), "started": 12.0}, Proc.of(foreign.pid).dump()]
+    children.append(Proc.of(stopping.pid).dump())
     lease = {"host": HOST, "pid": dead_owner.pid, "started": 1.0, "heartbeat": time.time(), "token": token, "children": children}
     lock.write_text(json.dumps(lease))
     try:
@@ -137,9 +142,10 @@ def test_a_leftover_trainer_is_killed_by_the_next_holder_but_a_reused_or_foreign
         leftover.wait(timeout=10)  # killed (psutil reaped it, so its exit status reads 0), not the 120 s sleep
         assert bystander.poll() is None, "a reused pid (another start time) is left alone"
         assert foreign.poll() is None, "a pid planted in a lease, without the lease's token, is left alone"
+        assert saved.exists(), "a launched tree is given its grace (its checkpoint) before it is killed"
         held.release()
     finally:
-        for p in (leftover, bystander, foreign):
+        for p in (leftover, bystander, foreign, stopping):
             p.kill()
             p.wait()
 
@@ -339,12 +345,11 @@ OWNER = textwrap.dedent(
     """
     import sys
     from infra.launch import run_streaming
-    from infra.procs import owner_env
     import os
     # a launcher that starts its rank in a session of its own, as torchrun does, then waits
     rank = "import time; from infra.procs import watch_owner; watch_owner(0.2); time.sleep(120)"
     launcher = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True); time.sleep(120)"
-    run_streaming([sys.executable, "-c", launcher], {**os.environ, **owner_env()}, print)
+    run_streaming([sys.executable, "-c", launcher], dict(os.environ), print)
     """
 )
 
@@ -352,14 +357,74 @@ OWNER = textwrap.dedent(
 def test_a_sigkilled_task_process_takes_its_launcher_and_ranks_with_it(tmp_path):
     owner = subprocess.Popen([sys.executable, "-c", OWNER], cwd=REPO)
     deadline, tree = time.time() + 60, []
-    while time.time() < deadline and len(tree) < 2:  # the launcher (the tether shim exec'd into it) and its rank
+    while time.time() < deadline and len(tree) < 3:  # the tether, the launcher and its rank
         time.sleep(0.2)
         tree = psutil.Process(owner.pid).children(recursive=True)
     rank = [p for p in tree if "watch_owner(0.2)" in " ".join(p.cmdline())]
-    assert rank and len(tree) == 2, "the launcher and its rank started"
+    assert rank and len(tree) == 3, "the launcher and its rank started"
     owner.send_signal(signal.SIGKILL)  # no finally runs in the task process
     owner.wait()
     _, alive = psutil.wait_procs(tree + rank, timeout=15)
+    assert not alive, f"left running: {alive}"
+
+
+# A rank that takes SAVE_S to checkpoint after SIGTERM, longer than the reaper gives a process outside a launched tree.
+SAVE_S = 8
+TOY_RANK = textwrap.dedent(
+    f"""
+    import os, signal, sys, time
+    from pathlib import Path
+    from infra.procs import watch_owner
+
+    watch_owner(0.2)
+    out, rank, term = Path(sys.argv[1]), os.environ["RANK"], []
+    signal.signal(signal.SIGTERM, lambda *_: term.append(1))
+    (out / f"started.{{rank}}").touch()
+    while not term:
+        time.sleep(0.05)
+    (out / f"stopping.{{rank}}").touch()
+    time.sleep({SAVE_S})  # the checkpoint
+    (out / f"saved.{{rank}}").touch()
+    sys.exit(75)
+    """
+)
+CANCELLED_TASK = textwrap.dedent(
+    """
+    import signal, sys
+    from infra.launch import launch_command, launch_env, run_streaming
+    from infra.procs import reap_when_gone
+    from infra.recipe import LauncherCfg
+
+    reap_when_gone()  # as a flow process does
+    def cancelled(*_):  # as Prefect's handler does: an exception in the main thread
+        raise SystemExit("cancelled")
+    signal.signal(signal.SIGTERM, cancelled)
+    launcher = LauncherCfg(kind="torchrun", nproc=2)
+    run_streaming(launch_command(launcher, "toy_rank", [sys.argv[1]], int(sys.argv[2])), launch_env(launcher), print, grace_s=60)
+    """
+)
+
+
+def test_a_cancelled_task_sigkilled_mid_grace_still_gives_its_ranks_the_grace_to_checkpoint(tmp_path):
+    """Prefect's runner SIGKILLs a cancelled flow's process 30 s after its SIGTERM, whatever the grace: the tether
+    holds the grace after its owner died, the ranks wait for it, and the reaper spares the launched tree meanwhile;
+    once the ranks have saved, nothing is left."""
+    (tmp_path / "toy_rank.py").write_text(TOY_RANK)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
+    task = subprocess.Popen([sys.executable, "-c", CANCELLED_TASK, str(tmp_path), str(free_port())], cwd=REPO, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(tmp_path.glob("started.*"))) < 2:
+        time.sleep(0.2)
+    assert len(list(tmp_path.glob("started.*"))) == 2, "torchrun started both ranks"
+    tree = psutil.Process(task.pid).children(recursive=True)
+    task.send_signal(signal.SIGTERM)  # the cancel
+    while time.time() < deadline and len(list(tmp_path.glob("stopping.*"))) < 2:
+        time.sleep(0.05)
+    assert len(list(tmp_path.glob("stopping.*"))) == 2, "both ranks were told to checkpoint"
+    task.send_signal(signal.SIGKILL)  # mid-checkpoint, as Prefect's runner does once its 30 s are up
+    task.wait()
+    _, alive = psutil.wait_procs(tree, timeout=SAVE_S + 30)
+    assert sorted(p.name for p in tmp_path.glob("saved.*")) == ["saved.0", "saved.1"], "both ranks finished their checkpoint"
     assert not alive, f"left running: {alive}"
 
 
