@@ -6,7 +6,7 @@ reserved, so Ray places as many trainers at once as the cluster has cores for (a
 output goes to `ray.log` in the step folder, which this process follows into the task's log. Nothing
 outlives the task: cancelled, the Ray task is interrupted (its ranks get SIGTERM and `stop_grace_s` to
 checkpoint, as in `run_streaming`) and then force-killed; when this process dies without a word, Ray
-ends the tasks its driver owned and the trainer, tethered to its worker, dies with it. A relaunch resumes
+ends the tasks its driver owned and the tether on that worker stops the trainer (SIGTERM, the grace). A relaunch resumes
 from the step's checkpoints.
 """
 
