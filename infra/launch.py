@@ -2,7 +2,7 @@
 
 No rank may outlive the task that launched it, or a relaunch would train beside it. torchrun starts
 its workers in new sessions, so killing the launcher or its process group leaves ranks running;
-``run_streaming` therefore starts the command under a tether (infra/procs.py) and stops the whole tree
+`run_streaming` therefore starts the command under a tether (infra/procs.py) and stops the whole tree
 when the command ends badly or the task is cancelled: the ranks first get SIGTERM and a grace period to
 checkpoint, as Slurm gives a preempted job. The tether enforces that grace itself, so it holds when the
 task process is SIGKILLed mid-way (no `finally` runs: the tether sees its owner die), and the step lock
