@@ -1,6 +1,6 @@
 """Starting trainer processes: the launcher command, streaming their output, and killing the whole tree.
 
-No rank may outlive the task that launched it, or a relaunch would train beside it. torchrun starts
+No rank may outlive the task that launched it longer than its grace, or a relaunch would train beside it. torchrun starts
 its workers in new sessions, so killing the launcher or its process group leaves ranks running;
 `run_streaming` therefore starts the command under a tether (infra/procs.py) and stops the whole tree
 when the command ends badly or the task is cancelled: the ranks first get SIGTERM and a grace period to
