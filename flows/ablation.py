@@ -22,7 +22,7 @@ from prefect import flow, get_run_logger
 
 from flows.graph import STAGES, build_graph
 from flows.pipeline import full_pipeline
-from infra.ablation import Ablation, AblationRun, load_ablation
+from infra.ablation import AUTO, Ablation, AblationCfg, AblationRun, read_spec, resolve_ablation
 from infra.errors import SmolflowError
 from infra.procs import STOPPING, stop_on_signals
 from infra.recipe import Recipe
@@ -35,7 +35,25 @@ from tasks.evaluation.results import RESULTS
 
 def open_ablation(path: str, run_dir: str | None = None) -> Ablation:
     """Load and validate the ablation file, every run's recipe and graph, before anything runs."""
-    return checked(load_ablation(path, run_dir))
+    cfg = read_spec(Path(path), AblationCfg, "ablation")
+    root = Path(run_dir or cfg.run_dir or Path("runs") / "ablations" / cfg.name)
+    if cfg.seed_key == AUTO:
+        cfg = cfg.model_copy(update={"seed_key": varied_seeds(cfg, Path(path), root)})
+    return checked(resolve_ablation(cfg, Path(path), root))
+
+
+def varied_seeds(cfg: AblationCfg, path: Path, root: Path) -> list[str]:
+    """`seed_key: auto`: the seed keys of the trained steps (Step.seed) the variants build apart, upstream first; in
+    a seed study, of every step it trains. A seed then repeats what is compared, and only that: the recipe's `seed`
+    would rebuild the corpus too, and its noise is not the variants' difference."""
+    one = checked(resolve_ablation(cfg.model_copy(update={"seeds": 1, "seed_key": "seed"}), path, root))
+    ids = [plan_ids(steps_of(one, run)) for run in one.runs]
+    steps = [s for run in one.runs for s in steps_of(one, run)]
+    apart = {s.name for s in steps if len(one.runs) == 1 or len({i.get(s.name) for i in ids}) > 1}
+    keys = list(dict.fromkeys(s.seed for s in steps if s.seed and s.name in apart))
+    if not keys:
+        raise SmolflowError(f"{path}: seed_key auto: the variants train no step apart within `until`; name the seed_key")
+    return keys
 
 
 def checked(ablation: Ablation) -> Ablation:
@@ -164,8 +182,8 @@ def _noise_floor(ablation: Ablation, per_run, users) -> str:
             else "none: verdicts will say so"
         )
         return (
-            f"Noise floor: one seed of {ablation.baseline}: {how}; `seeds: 2` measures it from seeds at the cost of another "
-            f"run of each variant's own steps."
+            f"Noise floor: one seed of {ablation.baseline}: {how}; `seeds: 2` measures it from seeds (varying "
+            f"{', '.join(ablation.cfg.seed_keys)}) at the cost of another run of each variant's own steps."
         )
     return (
         f"Noise floor: measured from {ablation.baseline}'s {len(base)} seeds (varying {', '.join(ablation.cfg.seed_keys)}); "

@@ -89,6 +89,7 @@ def build_graph(recipe: Recipe) -> Graph:
                     deps,
                     checkpoints=cfg.phase,
                     model="base" if last else None,
+                    seed="pretrain.seed",
                 )
             )
         )

@@ -7,13 +7,14 @@ An ablation file is small YAML:
     set: []                       # overrides every variant shares (a proxy scale-down)
     until: apo                    # the last stage the variants need (then evaluate)
     seeds: 3                      # runs per variant, `seed_key` = its value + 0, 1, 2
-    seed_key: postrain.apo.seed   # or a list, varied together: [pretrain.seed, postrain.sft.seed, ...]
+    seed_key: auto                # the default: the seeds of the trained steps the variants build apart
     variants:
       - {name: apo, set: ["postrain.apo.loss_type=[apo_zero, sft]"]}
       - {name: dpo, set: ["postrain.apo.loss_type=[sigmoid, sft]"]}
 
 Every run's recipe is resolved and validated here, before anything runs, so a bad override names
 the variant and the key. Variants may not change `evaluation`: one evaluation compares them all.
+`seed_key: auto` needs the step graph, so flows/ablation.py names its keys before the runs resolve.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pydantic import Field, ValidationError, model_validator
 from infra.recipe import Recipe, RecipeError, Strict, format_validation_error, load_recipe, operational, read_yaml, recipe_dump
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+AUTO = "auto"
 M = TypeVar("M", bound=Strict)
 
 
@@ -44,9 +46,10 @@ class AblationCfg(Strict):
     baseline: str | None = Field(None, description="the variant the others are compared with; default: the first")
     seeds: int = Field(1, ge=1, le=20)
     seed_key: str | list[str] = Field(
-        "seed",
-        description="the integer recipe key the seeds vary, or a list of them, varied together (each its own value + k): "
-        "the trainers' seeds give other models on the same curation, where `seed` rebuilds the corpus too",
+        AUTO,
+        description="the integer recipe key the seeds vary, or a list of them, varied together (each its own value + k); "
+        "auto: the seeds of the trained steps the variants build apart (a seed study: every step it trains), so a seed "
+        "repeats what is compared on the same curation, where `seed` rebuilds the corpus too",
     )
     until: str | None = Field(None, description="the last stage the variants run (evaluation follows); default: all")
     concurrency: int = operational(1, ge=1, description="runs at once (they share the machine's cores)")
@@ -65,6 +68,8 @@ class AblationCfg(Strict):
 
     @property
     def seed_keys(self) -> list[str]:
+        if self.seed_key == AUTO:
+            raise ValueError("seed_key auto is named from the step graph (flows/ablation.py: varied_seeds) first")
         return [self.seed_key] if isinstance(self.seed_key, str) else self.seed_key
 
 
@@ -110,13 +115,6 @@ def shared_recipe(path: Path, base: str, overrides: list[str]) -> tuple[Path, Re
         return resolved, load_recipe(resolved, overrides)
     except RecipeError as err:
         raise RecipeError(f"{path}: base recipe with the shared overrides (`set`): {err}") from None
-
-
-def load_ablation(path: str | Path, run_dir: str | None = None) -> Ablation:
-    """Read and validate an ablation file and every run's recipe; errors name the file, variant and key."""
-    path = Path(path)
-    cfg = read_spec(path, AblationCfg, "ablation")
-    return resolve_ablation(cfg, path, Path(run_dir or cfg.run_dir or Path("runs") / "ablations" / cfg.name))
 
 
 def resolve_ablation(cfg: AblationCfg, path: Path, root: Path) -> Ablation:

@@ -132,7 +132,8 @@ class Step:
     `inputs` maps each name of `deps` to that upstream step's StepOutput. `watch(config)` returns
     content fingerprints of files outside the run the step reads (raw sources, eval sets). `stage`
     is the pipeline stage whose flow builds it; `model` labels a finished HF model in `final/`, and
-    `checkpoints` the pretraining phase whose checkpoints are evaluated as they are written.
+    `checkpoints` the pretraining phase whose checkpoints are evaluated as they are written. `seed` is
+    the recipe key a trained step draws its randomness from: an ablation repeats the step by varying it.
     """
 
     name: str
@@ -143,6 +144,7 @@ class Step:
     watch: Callable[[Any], dict[str, str]] | None = None
     model: str | None = None
     checkpoints: str | None = None
+    seed: str | None = None
 
     def fingerprints(self, inputs: Mapping[str, StepOutput | str]) -> dict[str, str]:
         fps = {k: v.fingerprint if isinstance(v, StepOutput) else v for k, v in inputs.items()}

@@ -170,7 +170,7 @@ def trained(
         launcher=recipe.postrain.launcher, heldout_eval=recipe.postrain.heldout_eval, seed=seed, tracking=tracking, **{stage: section}
     )
     fn = functools.partial(train_step, stage=stage, data=data, start=start, score_start=score_start)
-    return Step(stage, stage, fn, config, deps, model=stage)
+    return Step(stage, stage, fn, config, deps, model=stage, seed=f"postrain.{stage}.seed")
 
 
 def train_step(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from infra.errors import SmolflowError
 from infra.recipe import RecipeError
 from tests.helpers import REPO, micro_recipe, write_recipe
 
@@ -65,8 +66,9 @@ def test_a_bad_override_names_the_variant_and_the_key(tmp_path):
 def test_dry_run_shows_what_is_shared_and_what_each_seed_builds(tmp_path):
     from flows.ablation import explain, open_ablation
 
-    abl = open_ablation(str(ablation_file(tmp_path, APO_VS_DPO, seeds=2, seed_key="postrain.apo.seed")), str(tmp_path / "abl"))
+    abl = open_ablation(str(ablation_file(tmp_path, APO_VS_DPO, seeds=2)), str(tmp_path / "abl"))  # seed_key auto
     assert [r.name for r in abl.runs] == ["apo-seed0", "apo-seed1", "dpo-seed0", "dpo-seed1"]
+    assert abl.runs[1].overrides[-1] == "postrain.apo.seed=1235"
     assert [r.seed for r in abl.runs] == [1234, 1235, 1234, 1235]  # unset per-step seed: the recipe's, then +1
     table = {line.split()[0]: line.split()[1:] for line in explain(abl) if line.split() and line.split()[0] in ("sft", "apo")}
     assert table["sft"] == ["build*", "shared*", "shared*", "shared*"]  # SFT is the same in every run
@@ -95,6 +97,28 @@ def test_a_seed_study_varies_every_trainer_seed_together_and_shares_curation(tmp
     typo = ablation_file(tmp_path, [{"name": "tiny"}], "typo.yaml", seeds=2, seed_key=["pretrain.seed", "postrain.sft.sead"])
     with pytest.raises(RecipeError, match=r"seed_key postrain\.sft\.sead: the recipe has no such key"):
         open_ablation(str(typo))
+
+
+def test_seed_key_auto_repeats_the_trained_steps_the_variants_build_apart_and_nothing_upstream(tmp_path):
+    """The default seed_key: the seeds (Step.seed) of the trained steps whose plan differs between the variants, so
+    an SFT change repeats SFT and the APO after it, a pretraining change pretraining and what follows; never the
+    recipe's `seed`, which would rebuild the corpus. A seed study repeats every step it trains."""
+    from flows.ablation import explain, open_ablation
+
+    def keys(variants, file, **extra):
+        abl = open_ablation(str(ablation_file(tmp_path, variants, file, seeds=2, **extra)), str(tmp_path / file))
+        table = {line.split()[0]: line.split()[1:] for line in explain(abl) if line.split()}
+        assert set(table["tokenize"]) == {"build*", "shared*"}, file  # curation is built once for every run
+        return abl.cfg.seed_keys
+
+    assert keys(APO_VS_DPO, "apo.yaml") == ["postrain.apo.seed"]
+    assert keys(SFT_LR, "sft.yaml") == ["postrain.sft.seed", "postrain.apo.seed"]
+    lr = [{"name": "lr3", "set": ["pretrain.optimizer.lr=3e-3"]}, {"name": "lr1", "set": ["pretrain.optimizer.lr=1e-3"]}]
+    assert keys(lr, "pretrain.yaml", until="sft") == ["pretrain.seed", "postrain.sft.seed"]
+    assert keys([{"name": "tiny"}], "study.yaml") == ["pretrain.seed", "postrain.sft.seed", "postrain.apo.seed"]
+    dedup = [{"name": "exact"}, {"name": "fuzzy", "set": ["curate.dedup.exact=false"]}]
+    with pytest.raises(SmolflowError, match=r"seed_key auto: the variants train no step apart within `until`; name the seed_key"):
+        open_ablation(str(ablation_file(tmp_path, dedup, "curate.yaml", seeds=2, until="curate")))
 
 
 def test_every_shipped_ablation_file_opens_and_names_its_runs(tmp_path):
