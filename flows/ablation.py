@@ -46,12 +46,12 @@ def varied_seeds(cfg: AblationCfg, path: Path, root: Path) -> list[str]:
     """`seed_key: auto`: the seed keys of the trained steps (Step.seed) the variants build apart, upstream first; in
     a seed study, of every step it trains. A seed then repeats what is compared, and only that: the recipe's `seed`
     would rebuild the corpus too, and its noise is not the variants' difference."""
-    one = checked(resolve_ablation(cfg.model_copy(update={"seeds": 1, "seed_key": "seed"}), path, root))
+    one = checked(resolve_ablation(cfg.model_copy(update={"seeds": 1}), path, root))
     ids = [plan_ids(steps_of(one, run)) for run in one.runs]
     steps = [s for run in one.runs for s in steps_of(one, run)]
     apart = {s.name for s in steps if len(one.runs) == 1 or len({i.get(s.name) for i in ids}) > 1}
     keys = list(dict.fromkeys(s.seed for s in steps if s.seed and s.name in apart))
-    if not keys:
+    if not keys and cfg.seeds > 1:
         raise SmolflowError(f"{path}: seed_key auto: the variants train no step apart within `until`; name the seed_key")
     return keys
 
@@ -181,10 +181,13 @@ def _noise_floor(ablation: Ablation, per_run, users) -> str:
             if scored
             else "none: verdicts will say so"
         )
-        return (
-            f"Noise floor: one seed of {ablation.baseline}: {how}; `seeds: 2` measures it from seeds (varying "
-            f"{', '.join(ablation.cfg.seed_keys)}) at the cost of another run of each variant's own steps."
+        keys = ablation.cfg.seed_keys
+        more = (
+            f"`seeds: 2` measures it from seeds (varying {', '.join(keys)}) at the cost of another run of each variant's own steps"
+            if keys
+            else "seeds would not measure it: the variants train no step apart"
         )
+        return f"Noise floor: one seed of {ablation.baseline}: {how}; {more}."
     return (
         f"Noise floor: measured from {ablation.baseline}'s {len(base)} seeds (varying {', '.join(ablation.cfg.seed_keys)}); "
         f"their own steps, built per seed: {', '.join(sorted(per_seed)) or 'none'}."

@@ -68,7 +68,10 @@ class AblationCfg(Strict):
 
     @property
     def seed_keys(self) -> list[str]:
+        """The keys the seeds vary; auto with one seed varies none (a swarm's proxies), else it is named first."""
         if self.seed_key == AUTO:
+            if self.seeds == 1:
+                return []
             raise ValueError("seed_key auto is named from the step graph (flows/ablation.py: varied_seeds) first")
         return [self.seed_key] if isinstance(self.seed_key, str) else self.seed_key
 
@@ -79,7 +82,7 @@ class AblationRun:
 
     name: str  # the run dir's name: the variant, or VARIANT-seedK
     variant: str
-    seed: int  # the value of (the first) seed_key
+    seed: int | None  # the value of (the first) seed_key; None where one seed varies no key
     overrides: tuple[str, ...]  # applied to the base recipe, in order
     recipe: Recipe
 
@@ -121,6 +124,8 @@ def resolve_ablation(cfg: AblationCfg, path: Path, root: Path) -> Ablation:
     """Every run's recipe: the base (relative to PATH) with the shared, then the variant's, then the seed's overrides."""
     base, shared = shared_recipe(path, cfg.base, cfg.set)
     firsts = [_seed_value(shared, key, path) for key in cfg.seed_keys]
+    if cfg.seeds > 1 and not firsts:
+        raise RecipeError(f"{path}: seeds: {cfg.seeds} with an empty seed_key: the runs would be the same")
     runs = []
     for variant in cfg.variants:
         for assignment in variant.set:
@@ -137,7 +142,7 @@ def resolve_ablation(cfg: AblationCfg, path: Path, root: Path) -> Ablation:
             except RecipeError as err:
                 raise RecipeError(f"{path}: variant {variant.name}: {err}") from None
             name = variant.name if cfg.seeds == 1 else f"{variant.name}-seed{k}"
-            runs.append(AblationRun(name, variant.name, firsts[0] + k, overrides, recipe))
+            runs.append(AblationRun(name, variant.name, firsts[0] + k if firsts else None, overrides, recipe))
     return Ablation(cfg, path, base, root, runs)
 
 

@@ -119,6 +119,9 @@ def test_seed_key_auto_repeats_the_trained_steps_the_variants_build_apart_and_no
     dedup = [{"name": "exact"}, {"name": "fuzzy", "set": ["curate.dedup.exact=false"]}]
     with pytest.raises(SmolflowError, match=r"seed_key auto: the variants train no step apart within `until`; name the seed_key"):
         open_ablation(str(ablation_file(tmp_path, dedup, "curate.yaml", seeds=2, until="curate")))
+    one = open_ablation(str(ablation_file(tmp_path, dedup, "curate1.yaml", until="curate")), str(tmp_path / "c1"))  # one seed
+    assert [r.seed for r in one.runs] == [None, None] and not one.runs[0].overrides
+    assert any("seeds would not measure it: the variants train no step apart" in line for line in explain(one))
 
 
 def test_every_shipped_ablation_file_opens_and_names_its_runs(tmp_path):
