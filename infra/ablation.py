@@ -82,7 +82,7 @@ class AblationRun:
 
     name: str  # the run dir's name: the variant, or VARIANT-seedK
     variant: str
-    seed: int | None  # the value of (the first) seed_key; None where one seed varies no key
+    seed: int | None  # the value of (the first) seed_key; None where none applies (auto with one seed: a swarm's proxies)
     overrides: tuple[str, ...]  # applied to the base recipe, in order
     recipe: Recipe
 
