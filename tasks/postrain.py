@@ -166,8 +166,11 @@ def trained(
     cfg_type = create_model(f"{stage.upper()}StepCfg", __base__=TrainedStepCfg, **{stage: (type(section), ...)})
     seed = recipe.seed if section.seed is None else section.seed
     tracking = tracking_project(recipe.name) if recipe.postrain.tracking == "trackio" else None
+    # the section without its own seed: `seed` is the one the trainer uses, so a seed written out as the recipe's
+    # (the value an unset one falls back to) is the same step as the unset one
+    unseeded = section.model_copy(update={"seed": None})
     config = cfg_type(
-        launcher=recipe.postrain.launcher, heldout_eval=recipe.postrain.heldout_eval, seed=seed, tracking=tracking, **{stage: section}
+        launcher=recipe.postrain.launcher, heldout_eval=recipe.postrain.heldout_eval, seed=seed, tracking=tracking, **{stage: unseeded}
     )
     fn = functools.partial(train_step, stage=stage, data=data, start=start, score_start=score_start)
     return Step(stage, stage, fn, config, deps, model=stage, seed=f"postrain.{stage}.seed")

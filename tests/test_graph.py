@@ -91,6 +91,9 @@ def test_operational_values_rerun_nothing(everything):
         ({"pretrain.phases.1.tokens": 3000}, ["mixtures", *PRETRAIN, *POST]),
         # post-training: APO's beta reruns APO and GRPO only
         ({"postrain.apo.beta": 0.2}, ["apo", "grpo"]),
+        # a trainer's seed written out as the recipe's (the value it falls back to) is the same step; another one is not
+        ({"postrain.apo.seed": 1234, "pretrain.seed": 1234}, []),
+        ({"postrain.apo.seed": 1235}, ["apo", "grpo"]),
         # post-training: the held-out evaluation settings are read by every step that scores its model
         ({"postrain.heldout_eval.max_new_tokens": 32}, POST),
     ],
