@@ -127,11 +127,32 @@ def file_digest(path: Path, algorithm: str = "sha256") -> str:
         return hashlib.file_digest(f, algorithm).hexdigest()
 
 
+_known: dict[tuple, str] = {}  # (algorithm, path, inode, size, mtime, ctime) -> digest, for known_digest
+KNOWN_MAX = 200_000  # entries before the memo starts afresh (a long-lived process that hashes many trees)
+RACY_NS = 2 * 10**9  # a file changed this recently may change again within one tick of the file clock
+
+
+def known_digest(path: Path, algorithm: str = "sha256") -> str:
+    """`file_digest`, read again only when the file's stat changed. Identities are recomputed on every plan, status
+    check and build (the stdlib corpus alone is 30 MB of source); a write or a utime always moves ctime, and a file
+    changed within RACY_NS is hashed every time, as git treats a "racily clean" entry. For fingerprints, never for
+    verifying bytes against a record (a corrupted sector keeps its stat)."""
+    st = path.stat()
+    key = (algorithm, str(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if (digest := _known.get(key)) is None:
+        digest = file_digest(path, algorithm)
+        if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS:
+            if len(_known) >= KNOWN_MAX:
+                _known.clear()
+            _known[key] = digest
+    return digest
+
+
 def fingerprint_files(files: Iterable[tuple[str, Path]]) -> str:
     """Content fingerprint of (name, file) pairs: names and bytes, not paths or times."""
     digest = hashlib.sha256()
     for rel, path in sorted(files):
-        digest.update(f"{rel}\0{file_digest(path)}\n".encode())
+        digest.update(f"{rel}\0{known_digest(path)}\n".encode())
     return digest.hexdigest()[:20]
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 
+import infra.storage
 from infra.storage import fingerprint_files
 from tasks.curation import corpus
 from tests.helpers import REPO
@@ -21,6 +23,31 @@ def test_corpus_is_deterministic_with_any_number_of_workers(tmp_path):
     assert counts_a == counts_b and all(counts_a[d] > 0 for d in corpus.DOMAINS)
     files = lambda root: [(p.relative_to(root).as_posix(), p) for p in sorted(root.rglob("*.jsonl.gz"))]  # noqa: E731
     assert fingerprint_files(files(tmp_path / "a")) == fingerprint_files(files(tmp_path / "b"))
+
+
+def test_the_stdlib_walk_leaves_out_site_packages_and_does_not_enter_linked_folders(tmp_path):
+    for rel in ("a.py", "pkg/b.py", "pkg/deep/c.py", "site-packages/x.py", "pkg/site-packages/y.py", "notes.txt", "d.py/e.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    (tmp_path / "linked").symlink_to(tmp_path / "pkg", target_is_directory=True)
+    found = [p.relative_to(tmp_path).as_posix() for p in corpus.stdlib_files(tmp_path, None)]
+    assert found == ["a.py", "d.py/e.py", "pkg/b.py", "pkg/deep/c.py"]
+
+
+def test_a_fingerprint_reads_a_file_again_exactly_when_its_stat_changed(tmp_path, monkeypatch):
+    path, reads = tmp_path / "a.txt", []
+    path.write_text("one")
+    read = infra.storage.file_digest
+    monkeypatch.setattr(infra.storage, "file_digest", lambda p, algorithm="sha256": reads.append(p) or read(p, algorithm))
+    first = fingerprint_files([("a", path)])
+    assert fingerprint_files([("a", path)]) == first and len(reads) == 2, "a file changed within the racy window is read each time"
+    monkeypatch.setattr(infra.storage, "RACY_NS", 0)  # as if written long ago
+    fingerprint_files([("a", path)])
+    assert fingerprint_files([("a", path)]) == first and len(reads) == 3, "an unchanged file is read once"
+    before = path.stat()
+    path.write_text("two")  # the same size, and its old mtime put back: only ctime tells
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert fingerprint_files([("a", path)]) != first and len(reads) == 4
 
 
 def test_prose_comes_from_docstrings_and_comments():

@@ -15,6 +15,7 @@ import functools
 import gzip
 import io
 import json
+import os
 import random
 import sysconfig
 import tokenize
@@ -43,8 +44,13 @@ def stdlib_root() -> Path:
 
 
 def stdlib_files(root: Path, max_bytes: int | None) -> list[Path]:
-    """Sorted `.py` files of the stdlib (site-packages excluded), up to `max_bytes` of source."""
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    """Sorted `.py` files of the stdlib, up to `max_bytes` of source. site-packages (installed packages, not the stdlib:
+    7x its files here) is never walked, as this runs each time the corpus step's identity is computed."""
+    found = []
+    for folder, dirs, names in os.walk(root):  # like rglob: symlinked folders are listed, not entered
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        found += (Path(folder, n) for n in names if n.endswith(".py"))
+    files = sorted(p for p in found if p.is_file())
     if max_bytes is None:
         return files
     kept, total = [], 0

@@ -31,7 +31,7 @@ from infra.errors import DiskFull, disk_full
 from infra.locks import acquire
 from infra.recipe import EvalCfg, S3Cfg
 from infra.steps import CARD, CHECKPOINTS, FINAL, MANIFEST, Step, folder_step_id, identity, read_manifest, step_id
-from infra.storage import file_digest, filesystem, with_retries
+from infra.storage import filesystem, known_digest, with_retries
 from model.checkpoint import MARKER, is_complete
 
 log = logging.getLogger(__name__)
@@ -90,22 +90,18 @@ def fingerprint_listing(files: dict[str, str]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
-_listing_cache: dict[tuple[str, float], dict[str, str]] = {}
 CONFIG = "config.json"
 UNSCORED_CONFIG = ("use_cache",)  # config keys no score depends on (a checkpoint's hf/ and a final export differ in it)
 
 
 def _listing(folder: Path) -> dict[str, str]:
-    """relative path -> MD5 of every file of a local model folder (memoised per folder and modification time).
+    """relative path -> MD5 of every file of a local model folder (a file whose stat is unchanged is not read again).
     A folder renamed mid-listing lists short without an error (pathlib's glob skips what vanished),
     so an empty listing raises FileNotFoundError instead of fingerprinting nothing."""
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     if not files:
         raise FileNotFoundError(f"{folder}: no files (moved, or not a model folder)")
-    key = (str(folder.resolve()), max((p.stat().st_mtime for p in files), default=0.0))
-    if key not in _listing_cache:
-        _listing_cache[key] = {p.relative_to(folder).as_posix(): file_digest(p, "md5") for p in files}
-    return _listing_cache[key]
+    return {p.relative_to(folder).as_posix(): known_digest(p, "md5") for p in files}
 
 
 def local_fingerprint(folder: Path) -> str:
