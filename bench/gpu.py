@@ -242,8 +242,7 @@ def scale(pack_dir: Path, out: Path, recipe_path: Path, depths: list[int], seq_l
 
     from infra.recipe import load_recipe
     from model.network import model_config
-    from model.plan import count_params, flops_per_token
-    from model.train import measure_peak_flops
+    from model.plan import count_params, flops_per_token, measure_peak_flops
 
     pack_dir, out = pack_dir.resolve(), out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -291,7 +290,7 @@ def device_name() -> str:
 def run(pack_dir: Path, out: Path) -> None:
     import torch
 
-    from model.train import measure_peak_flops
+    from model.plan import measure_peak_flops
 
     pack_dir, out = pack_dir.resolve(), out.resolve()
     device = torch.cuda.get_device_name()

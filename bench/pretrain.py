@@ -32,8 +32,8 @@ from infra.recipe import LauncherCfg, load_recipe  # noqa: E402
 from model.config import Schedule, TrainJob  # noqa: E402
 from model.data import IGNORE, MixtureBatches, TokenSource, sample_order  # noqa: E402
 from model.network import build_model, model_config, param_groups  # noqa: E402
-from model.plan import flops_per_token  # noqa: E402
-from model.train import lm_loss, measure_peak_flops  # noqa: E402
+from model.plan import flops_per_token, measure_peak_flops  # noqa: E402
+from model.train import lm_loss  # noqa: E402
 from tasks.curation import tokenizer as bpe  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

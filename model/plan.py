@@ -1,5 +1,6 @@
 """The planner: tokens, steps, FLOPs, memory per GPU and GPUs needed for each pretraining phase, and
-the ranks, batch and memory per GPU of each post-training trainer.
+the ranks, batch and memory per GPU of each post-training trainer; and the measured matmul peak that
+MFU divides by (torch only: the flow process measures it without importing transformers).
 
 Compute follows the playbook's convention (6·N·D for training, attention added separately);
 memory per GPU counts bf16 weights and gradients, fp32 master weights and Adam moments (16 bytes
@@ -9,6 +10,7 @@ per parameter in all) and activations, with each ZeRO stage sharding one more of
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,6 +44,38 @@ def count_params(shape: Shape) -> int:
 def flops_per_token(shape: Shape, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the weights plus the attention scores (6 * layers * seq * hidden)."""
     return 6 * count_params(shape) + 6 * shape.num_hidden_layers * seq_len * shape.hidden_size
+
+
+def measure_peak_flops(precision: str = "fp32", seconds: float = 1.5) -> float:
+    """Achieved matmul FLOP/s of this process's device in the run's precision (the MFU denominator):
+    on a GPU, the median of 8192^3 products on random data (zeros run faster than real weights); on a
+    CPU, 1024^3 fp32 products, the best of several short probes, so that a moment of contention from
+    other processes does not lower it."""
+    import torch  # here, not at the top: the flows plan without torch
+
+    if torch.cuda.is_available():
+        n, dtype = 8192, torch.bfloat16 if precision == "bf16" else torch.float32
+        a, b = (torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(2))
+        times = []
+        for _ in range(13):  # 3 warm-ups
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            a @ b
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return 2 * n**3 / sorted(times[3:])[5]
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = 0.0
+    for _ in range(5):
+        done, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / 5:
+            a @ b
+            done += 1
+        best = max(best, 2 * n**3 * done / (time.perf_counter() - start))
+    return best
 
 
 def with_vocab(m: ModelCfg, vocab_size: int) -> ModelCfg:

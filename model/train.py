@@ -38,7 +38,7 @@ from model.checkpoint import MARKER, CheckpointStore, MirrorBehind, tag_for, ver
 from model.config import TrainConfig, TrainJob
 from model.data import IGNORE, MixtureBatches, TokenSource, flatten, sample_order
 from model.network import build_model, for_training, long_context_config, model_config, param_groups, with_yarn
-from model.plan import flops_per_token
+from model.plan import flops_per_token, measure_peak_flops
 
 # --- process and engine -------------------------------------------------------------------------
 
@@ -78,36 +78,6 @@ def setup_distributed() -> tuple[int, int]:
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend=backend)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
-
-
-def measure_peak_flops(precision: str = "fp32", seconds: float = 1.5) -> float:
-    """Achieved matmul FLOP/s of this process's device in the run's precision (the MFU denominator):
-    on a GPU, the median of 8192^3 products on random data (zeros run faster than real weights); on a
-    CPU, 1024^3 fp32 products, the best of several short probes, so that a moment of contention from
-    other processes does not lower it."""
-    if torch.cuda.is_available():
-        n, dtype = 8192, torch.bfloat16 if precision == "bf16" else torch.float32
-        a, b = (torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(2))
-        times = []
-        for _ in range(13):  # 3 warm-ups
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            a @ b
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return 2 * n**3 / sorted(times[3:])[5]
-    n = 1024
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best = 0.0
-    for _ in range(5):
-        done, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds / 5:
-            a @ b
-            done += 1
-        best = max(best, 2 * n**3 * done / (time.perf_counter() - start))
-    return best
 
 
 def grad_accum(cfg: TrainConfig, world: int) -> int:

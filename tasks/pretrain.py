@@ -126,7 +126,7 @@ def run_peak_flops(run_dir: Path, threads: int, phase: str) -> float:
     if str(threads) not in probes:
         import torch
 
-        from model.train import measure_peak_flops
+        from model.plan import measure_peak_flops
 
         before = torch.get_num_threads()
         torch.set_num_threads(threads)

@@ -204,6 +204,17 @@ def test_short_lived_processes_import_no_training_library(modules):
     assert out.returncode == 0 and out.stdout.split() == ["[]"], out.stdout + out.stderr
 
 
+def test_the_flow_process_measures_its_matmul_peak_with_torch_alone(tmp_path):
+    """The MFU probe runs in the flow process before a run's first trainer: torch, never transformers' model code."""
+    code = (
+        f"import sys, pathlib; from tasks.pretrain import run_peak_flops; run_peak_flops(pathlib.Path({str(tmp_path)!r}), 1, 'p'); "
+        "print(sorted({'torch', 'transformers', 'deepspeed'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.split() == ["['torch']"], out.stdout + out.stderr
+    assert (tmp_path / "peak_flops.json").is_file()
+
+
 # words that are also a step's name, where they mean something else
 HOMONYMS = {"tasks/evaluation/harness.py": {"filter"}}  # the key of an lm-eval logged sample naming its output filter
 
