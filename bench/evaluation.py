@@ -15,6 +15,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,11 +39,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-eval-"))
     include = prepare_tasks(cfg.task_dirs, Path(graph.models.heldout_dir(args.run_dir)), work / "tasks")
     groups = ((cfg.checkpoint_tasks, False), (cfg.model_tasks, True))
-    jobs = [EvalJob(model, tasks, chat, str(work / f"{chat}.json")) for tasks, chat in groups]
+    jobs = [EvalJob(model, tasks, chat, str(work / f"{chat}.json"), str(include), cfg.threads) for tasks, chat in groups]
     every_core = cfg.model_copy(update={"threads": cores()})
+    on_every_core = [replace(job, threads=cores()) for job in jobs]
 
     def batches(cfg, *batches):  # one child for these batches of jobs
-        with EvalWorker(include, cfg, work) as worker:
+        with EvalWorker(cfg, work) as worker:
             for batch in batches:
                 worker.run(batch)
 
@@ -52,7 +54,7 @@ def main() -> None:
             ("two 1-thread children", lambda: [batches(cfg, [job]) for job in jobs]),
             ("one child, two batches", lambda: batches(cfg, *[[job] for job in jobs])),
             ("one child, one batch", lambda: batches(cfg, jobs)),
-            (f"one child, {cores()} threads", lambda: batches(every_core, jobs)),
+            (f"one child, {cores()} threads", lambda: batches(every_core, on_every_core)),
         ):
             started = time.time()
             run()

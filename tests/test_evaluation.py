@@ -23,7 +23,8 @@ from infra.recipe import EvalCfg, load_recipe, parse_recipe
 from infra.steps import Step, finished, run_step
 from infra.summaries import ChatDataSummary, HeldoutEval, PhaseSummary, Summary, TrainedSummary, outcomes
 from model.checkpoint import CheckpointStore, mark_evaluated
-from tasks.evaluation.harness import EvalJob, EvalWorker, prepare_tasks
+from tasks.evaluation import harness
+from tasks.evaluation.harness import EvalJob, EvalWorker, kept_worker, prepare_tasks
 from tasks.evaluation.plots import inline
 from tasks.evaluation.report import build_report, phase_ends
 from tasks.evaluation.results import ModelRef, ResultStore, local_fingerprint, models_in_run, scoring_key
@@ -65,6 +66,13 @@ def save_micro_model(out: Path, seed: int) -> Path:
     model.config.use_cache = True
     model.save_pretrained(out)
     return out
+
+
+@pytest.fixture(autouse=True)
+def _no_idle_child():
+    """An evaluation leaves its child idle for the next one in the process: each test here starts from none."""
+    yield
+    harness._end_kept()
 
 
 @pytest.fixture(scope="module")
@@ -213,13 +221,13 @@ def test_a_child_that_replies_other_than_done_and_lives_on_is_killed_not_waited_
     from tasks.evaluation import harness
 
     monkeypatch.setattr(harness, "REPLY_GRACE_S", 1)
-    worker = EvalWorker(tmp_path / "tasks", EvalCfg(), tmp_path / "logs")
+    worker = EvalWorker(EvalCfg(), tmp_path / "logs")
     talker = "import sys, time; sys.stdin.readline(); print('oops', flush=True); time.sleep(120)"
     started = time.time()
     worker.proc = subprocess.Popen([sys.executable, "-c", talker], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
     worker.log = tmp_path / "child.log"
     worker.log.write_text("")
-    [result] = worker.run([EvalJob(model="m", tasks=["t"], chat=False, out=str(tmp_path / "out.json"))])
+    [result] = worker.run([EvalJob(model="m", tasks=["t"], chat=False, out=str(tmp_path / "out.json"), include=str(tmp_path))])
     assert "killed after replying b'oops" in result["error"] and time.time() - started < 30
     assert worker.proc is None, "the child is gone"
 
@@ -264,10 +272,12 @@ def test_the_follower_scores_successive_batches_in_one_child_and_a_dead_child_is
 
     summary = ev.follow(discover, stop)
     assert summary.evaluated == [r.label for r in refs] and not summary.failed
-    assert ev.worker.launches == 1 and ev.worker.proc is None, "one child for both batches, ended with the follower"
+    assert ev.worker.launches == 1 and ev.worker.proc.poll() is None, "one child for both batches, kept for the stage's evals"
+    assert kept_worker(ev.cfg.model_copy(update={"threads": 2}), ev.work_dir) is ev.worker, "which take it with every core"
+    ev.worker.close()
     assert not list(ev.work_dir.glob("eval-child-*.log")), "a child that ended cleanly leaves no log"
 
-    job = [EvalJob(str(folders[0]), ["smol_arithmetic_cf"], False, str(tmp_path / "again.json"))]
+    job = [EvalJob(str(folders[0]), ["smol_arithmetic_cf"], False, str(tmp_path / "again.json"), str(ev.include))]
     with ev.worker as worker:
         threading.Timer(3.0, lambda: worker.proc.kill()).start()  # mid-batch: the child's imports alone take longer
         [died] = worker.run(job)
@@ -279,27 +289,33 @@ def test_the_follower_scores_successive_batches_in_one_child_and_a_dead_child_is
     assert worker.launches == 3 and scored["metrics"]["smol_arithmetic_cf"]["acc"] == first["acc"]
 
 
-def test_stage_evaluations_in_one_process_share_one_child_and_another_run_ends_it(tmp_path, heldout):
-    """SFT, APO, GRPO and the evaluate stage each score their model alone: one child's imports, not four."""
-    from tasks.evaluation import harness
-
+def test_evaluations_in_one_process_share_one_child_across_stages_and_runs_and_another_config_ends_it(tmp_path, heldout):
+    """SFT, APO, GRPO and the evaluate stage each score their model alone, and so does each run of an ablation or a
+    swarm in its thread: one child's imports (~12 s of CPU), not one per stage and run. The child outlives the thread
+    that started it (it dies with its parent thread: the first kept child was SIGKILLed when its run's thread ended)."""
     cfg = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=2)
-    include = prepare_tasks(cfg.task_dirs, heldout, tmp_path / "tasks")
-    folders = [save_micro_model(tmp_path / f"model{i}", seed=20 + i) for i in (1, 2)]
+    folders = [save_micro_model(tmp_path / f"model{i}", seed=20 + i) for i in (1, 2, 3)]
     refs = [ModelRef(str(f), local_fingerprint(f), f"m{i}", "model", f"m{i}") for i, f in enumerate(folders, 1)]
-    workers = []
-    try:
-        for ref in refs:  # one stage after the other, each with its own evaluator
-            ev = Evaluator(cfg, ResultStore(str(tmp_path / "results")), include, tmp_path / "work", log, alone=True)
-            assert ev.run([ref]).evaluated == [ref.label]
-            workers.append(ev.worker)
-        first, second = workers
-        assert second is first and first.launches == 1 and first.proc.poll() is None, "the first stage's child scored both"
-        other = tmp_path / "other"
-        elsewhere = Evaluator(cfg, ResultStore(str(other / "results")), include, other / "work", log, alone=True)
-        assert elsewhere.worker is not first and first.proc is None, "another run's evaluation ends the idle child"
-    finally:
-        harness._end_kept()
+    runs = [tmp_path / "run", tmp_path / "run", tmp_path / "other"]  # two stages of one run, then another run
+    workers, evaluated = [], []
+
+    def evaluate(ref: ModelRef, run: Path) -> None:
+        include = prepare_tasks(cfg.task_dirs, heldout, run / "tasks")
+        ev = Evaluator(cfg, ResultStore(str(run / "results")), include, run / "work", log, alone=True)
+        evaluated.extend(ev.run([ref]).evaluated)
+        workers.append(ev.worker)
+
+    for ref, run in zip(refs, runs, strict=True):  # one after the other, each in a thread that ends (a swarm's run's)
+        thread = threading.Thread(target=evaluate, args=(ref, run))
+        thread.start()
+        thread.join()
+    assert evaluated == [r.label for r in refs]
+    assert all(w is workers[0] for w in workers) and workers[0].launches == 1 and workers[0].proc.poll() is None
+    record = ResultStore(str(tmp_path / "other" / "results")).get(refs[2].fingerprint)
+    assert record["tasks"]["smol_arithmetic_cf"]["metrics"]["acc"] >= 0, "the other run's model, in its own store"
+    other, include = cfg.model_copy(update={"limit": 3}), tmp_path / "other" / "tasks"
+    elsewhere = Evaluator(other, ResultStore(str(tmp_path / "x" / "results")), include, tmp_path / "x" / "work", log, alone=True)
+    assert elsewhere.worker is not workers[0] and workers[0].proc is None, "another config's evaluation ends the idle child"
 
 
 def test_unknown_task_names_the_task_dirs(tmp_path, heldout):

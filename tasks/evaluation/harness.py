@@ -12,7 +12,8 @@ as long as its evaluator: the checkpoint follower hands it each batch of jobs (t
 pending at once, a finished model's base and chat tasks) over its stdin, so its ~11 s of imports
 (lm-eval, torch, transformers) are paid once per stage, not once per batch beside the trainer. A
 stage's own evaluation (`kept_worker`) leaves its child to the next one in the same process: SFT,
-APO, GRPO and the evaluate stage of one pipeline share a child.
+APO, GRPO and the evaluate stage of one pipeline share a child, and so do a run's checkpoint follower
+and the runs of an ablation or a swarm: each job names its run's task folder and its thread count.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -220,12 +222,15 @@ def _plain(metrics: dict[str, Any]) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class EvalJob:
-    """One model folder scored on some tasks, with or without its chat template; the metrics go to `out`."""
+    """One model folder scored on some tasks (from the resolved task folder INCLUDE: its run's) with THREADS, with
+    or without its chat template; the metrics go to `out`."""
 
     model: str
     tasks: list[str]
     chat: bool
     out: str
+    include: str
+    threads: int = 1
 
 
 REPLY_GRACE_S = 30  # a child whose reply is not "done" gets this long to exit before it is killed
@@ -241,8 +246,8 @@ class EvalWorker:
     backend each model holds an engine process of its own, so there the child ends after each batch and
     returns everything it held."""
 
-    def __init__(self, include: Path, cfg: EvalCfg, log_dir: Path):
-        self.include, self.cfg, self.log_dir = include, cfg, log_dir
+    def __init__(self, cfg: EvalCfg, log_dir: Path):
+        self.cfg, self.log_dir = cfg, log_dir
         self.proc: subprocess.Popen | None = None
         self.log: Path | None = None
         self.launches = 0
@@ -319,14 +324,15 @@ class EvalWorker:
     def _started(self) -> subprocess.Popen:
         if self.proc is not None and self.proc.poll() is None:
             return self.proc
-        command = [sys.executable, "-m", "tasks.evaluation.harness", str(self.include), "--config", self.cfg.model_dump_json()]
+        command = [sys.executable, "-m", "tasks.evaluation.harness", "--config", self.cfg.model_dump_json()]
         env = {**os.environ, "OMP_NUM_THREADS": str(thread_count(self.cfg.threads)), "TOKENIZERS_PARALLELISM": "false"}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         fd, log = tempfile.mkstemp(prefix="eval-child-", suffix=".log", dir=self.log_dir)  # evaluators may share a run dir
         self.log = Path(log)
         with os.fdopen(fd, "wb") as out:  # niced by `nice(1)`: a preexec_fn is unsafe in a threaded process (the follower's)
             niced = ["nice", "-n", str(self.cfg.nice), *command]
-            self.proc = subprocess.Popen(niced, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out, bufsize=0)
+            pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": out, "bufsize": 0}
+            self.proc = _spawner.submit(functools.partial(subprocess.Popen, niced, env=env, **pipes)).result()
         self.launches += 1
         return self.proc
 
@@ -334,48 +340,61 @@ class EvalWorker:
         return "\n".join(self.log.read_text(errors="replace").strip().splitlines()[-lines:])
 
 
-_kept: list[EvalWorker] = []  # at most one idle child: a long-lived process that scores many run dirs holds no more
+# The child dies with the thread that started it (PR_SET_PDEATHSIG: `serve`), and evaluations run in threads that
+# end (a follower, a swarm's run): children are started by this thread, which lives as long as the process.
+_spawner = ThreadPoolExecutor(1, thread_name_prefix="eval-spawner")
+_kept: list[EvalWorker] = []  # idle children, the latest last
+KEPT = 2  # at most this many idle: two evaluations at once (a follower beside a stage's, a swarm's two proxies)
 _kept_lock = threading.Lock()
 
 
-def kept_worker(include: Path, cfg: EvalCfg, log_dir: Path) -> EvalWorker:
-    """The idle child a stage's evaluation left in this process, if it serves the same tasks and config;
-    otherwise a new worker (and the idle child, of another run or config, is ended)."""
-    with _kept_lock:
-        idle = _kept.pop() if _kept else None
-    if idle is not None and (idle.include, idle.cfg, idle.log_dir) == (include, cfg, log_dir):
-        return idle
-    if idle is not None:
-        idle.close()
-    return EvalWorker(include, cfg, log_dir)
+def _serves(cfg: EvalCfg) -> dict[str, Any]:
+    """What a child is started with and keeps: the config but its thread count, which each job sets."""
+    return cfg.model_dump(exclude={"threads"})
 
 
-def _replace_kept(workers: list[EvalWorker]) -> list[EvalWorker]:
-    """Set the idle children to WORKERS; the ones they replace, for the caller to end outside the lock."""
+def kept_worker(cfg: EvalCfg, log_dir: Path) -> EvalWorker:
+    """An idle child an evaluation left in this process (of this run or another) that serves CFG; otherwise a new
+    worker, whose child logs into LOG_DIR (the idle ones of another config are ended)."""
     with _kept_lock:
-        idle, _kept[:] = list(_kept), workers
+        idle = next((w for w in reversed(_kept) if _serves(w.cfg) == _serves(cfg)), None)
+        others = [w for w in _kept if w is not idle and _serves(w.cfg) != _serves(cfg)]
+        _kept[:] = [w for w in _kept if w is not idle and w not in others]
+    for other in others:
+        other.close()
+    if idle is None:
+        return EvalWorker(cfg, log_dir)
+    idle.cfg, idle.log_dir = cfg, log_dir
     return idle
 
 
 def keep_worker(worker: EvalWorker) -> None:
-    """Leave WORKER's child running for the next `kept_worker` in this process (ended at exit)."""
-    for other in _replace_kept([worker]):
-        if other is not worker:
-            other.close()
+    """Leave WORKER's child running for the next `kept_worker` in this process (ended at exit); beyond KEPT idle
+    children, the oldest is ended. A worker whose child never started or has ended holds nothing to keep."""
+    if worker.proc is None or worker.proc.poll() is not None:
+        return
+    with _kept_lock:
+        _kept[:] = [w for w in _kept if w is not worker] + [worker]
+        ended, _kept[:] = _kept[:-KEPT], _kept[-KEPT:]
+    for other in ended:
+        other.close()
 
 
 @atexit.register
 def _end_kept() -> None:
-    for worker in _replace_kept([]):
+    with _kept_lock:
+        ended, _kept[:] = list(_kept), []
+    for worker in ended:
         worker.close()
 
 
-def run_jobs(jobs: list[EvalJob], include: Path, cfg: EvalCfg) -> None:
+def run_jobs(jobs: list[EvalJob], cfg: EvalCfg) -> None:
     """The child's loop: each job's metrics (or its error, with the traceback's tail) written to its `out`."""
     for job in jobs:
         started = time.time()
         try:
-            done = {"metrics": run_tasks(Path(job.model), job.tasks, include, cfg, job.chat)}
+            _use_threads(job.threads)
+            done = {"metrics": run_tasks(Path(job.model), job.tasks, Path(job.include), cfg, job.chat)}
         except Exception as err:  # noqa: BLE001 -- reported per job; the next job still runs
             tail = "\n".join(traceback.format_exc().strip().splitlines()[-8:])
             done = {"error": f"evaluating {job.model} failed ({type(err).__name__}):\n{tail}"}
@@ -386,13 +405,20 @@ def run_jobs(jobs: list[EvalJob], include: Path, cfg: EvalCfg) -> None:
         os.replace(tmp, out)
 
 
-def serve(include: Path, cfg: EvalCfg) -> None:
+def _use_threads(threads: int) -> None:
+    """A kept child scores beside a trainer (a follower's few threads) or alone (every core) from one job to the next."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def serve(cfg: EvalCfg) -> None:
     """The child's side of `EvalWorker`: a jobs file per line of stdin, "done" on stdout once its results are written."""
     die_with_parent()  # a killed flow leaves no evaluation running
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what lm-eval, torch or vLLM print goes to the log, never into the replies
     for line in sys.stdin:
-        run_jobs([EvalJob(**job) for job in json.loads(Path(line.strip()).read_text())], include, cfg)
+        run_jobs([EvalJob(**job) for job in json.loads(Path(line.strip()).read_text())], cfg)
         gc.collect()  # the batch's models; on a GPU also the memory torch keeps cached for them, which a trainer beside it may need
         if (torch := sys.modules.get("torch")) is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -403,16 +429,16 @@ def serve(include: Path, cfg: EvalCfg) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="Evaluate HF model folders with lm-eval (started by smolflow): reads the path of a jobs file per line "
-        "of stdin (a JSON list of {model: HF folder, tasks: [...], chat: bool, out: JSON file}) and prints 'done' once "
+        "of stdin (a JSON list of {model: HF folder, tasks: [...], chat: bool, out: JSON file, include: folder of resolved "
+        "lm-eval task YAMLs, threads}) and prints 'done' once "
         "its results are written."
     )
-    parser.add_argument("include", type=Path, help="folder of resolved lm-eval task YAMLs")
     parser.add_argument("--config", required=True, help="the recipe's evaluation section, as JSON")
     args = parser.parse_args()
     import logging
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    serve(args.include, EvalCfg.model_validate_json(args.config))
+    serve(EvalCfg.model_validate_json(args.config))
 
 
 if __name__ == "__main__":

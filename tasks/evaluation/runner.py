@@ -17,13 +17,13 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.env import cores
+from infra.env import cores, thread_count
 from infra.errors import Stopped
 from infra.procs import STOPPING
 from infra.recipe import EvalCfg, S3Cfg
 from infra.storage import Mirror, StorageError, download_folder
 from model.checkpoint import mark_evaluated
-from tasks.evaluation.harness import ABANDONED, EvalFailed, EvalJob, EvalWorker, keep_worker, kept_worker, tasks_without_data
+from tasks.evaluation.harness import ABANDONED, EvalFailed, EvalJob, keep_worker, kept_worker, tasks_without_data
 from tasks.evaluation.results import ITEMS, RESULTS, ModelRef, ResultStore, eval_key, main_metric
 
 
@@ -54,16 +54,17 @@ class Evaluator:
         s3: S3Cfg | None = None,
         alone: bool = False,
     ):
-        """`alone`: nothing else of the run is running (a stage's own evals), so the child takes every core
-        (`cfg.threads` is the count beside a trainer) and `run` leaves it to the next stage's (`kept_worker`)."""
+        """`alone`: nothing else of the run is running (a stage's own evals), so the jobs take every core (`cfg.threads`
+        is the count beside a trainer). The child is an idle one left by an earlier evaluation in this process if one
+        serves this config (`kept_worker`), and is left to the next one in turn."""
         self.cfg = cfg.model_copy(update={"threads": cores()}) if alone else cfg
         self.store, self.include, self.work_dir, self.log = store, include, Path(work_dir), log
-        self.mirror, self.s3, self.key, self.alone = mirror, s3, eval_key(cfg), alone
+        self.mirror, self.s3, self.key = mirror, s3, eval_key(cfg)
         self.abandon: threading.Event | None = None  # `follow`'s: set, nothing new is scored and a running child is stopped
         self.scored: dict[str, str] = {}  # scoring key -> fingerprint of a model scored under it (its scores are its twins')
         self.work_dir.mkdir(parents=True, exist_ok=True)
         # started at the first batch, ended by run (or kept for the next stage) and follow
-        self.worker = kept_worker(include, self.cfg, self.work_dir) if alone else EvalWorker(include, self.cfg, self.work_dir)
+        self.worker = kept_worker(self.cfg, self.work_dir)
         self.no_data = tasks_without_data(include, cfg.checkpoint_tasks + cfg.model_tasks)
         for task, reason in self.no_data.items():
             log.warning("eval task %s is skipped: %s", task, reason)
@@ -142,8 +143,10 @@ class Evaluator:
         except OSError as err:
             self._failed(model, str(err), summary, failed)
             return []
-        out = self.work_dir / model.fingerprint
-        return [EvalJob(folder, tasks, chat, f"{out}-{'chat' if chat else 'base'}.json") for tasks, chat in groups]
+        out, threads = self.work_dir / model.fingerprint, thread_count(self.cfg.threads)
+        return [
+            EvalJob(folder, tasks, chat, f"{out}-{'chat' if chat else 'base'}.json", str(self.include), threads) for tasks, chat in groups
+        ]
 
     def _failed(self, model: ModelRef, error: str, summary: EvalSummary, failed: set[str]) -> None:
         failed.add(model.fingerprint)
@@ -175,10 +178,7 @@ class Evaluator:
         except BaseException:
             self.worker.close(now=True)
             raise
-        if self.alone:
-            keep_worker(self.worker)
-        else:
-            self.worker.close()
+        keep_worker(self.worker)
         summary.seconds = time.time() - started
         return summary
 
@@ -191,7 +191,7 @@ class Evaluator:
         ABANDON is set (the flow failed or is being stopped) nothing new is scored and a running child is killed."""
         summary, started, failures, outage = EvalSummary(), time.time(), {}, 0
         self.abandon = abandon or threading.Event()
-        with self.worker:
+        try:
             while not self._abandoned():
                 finishing = stop.is_set()
                 busy = len(summary.busy)
@@ -218,6 +218,13 @@ class Evaluator:
                     break
                 if not progressed:
                     stop.wait(self.cfg.poll_seconds)
+        except BaseException:
+            self.worker.close(now=True)
+            raise
+        if self._abandoned():  # its flow is failing or stopping: nothing is left to score in this process
+            self.worker.close()
+        else:  # to the stage's evaluation after training, or the next run's
+            keep_worker(self.worker)
         summary.busy = sorted(set(summary.busy) - set(summary.evaluated))
         summary.failed = {k: v for k, v in summary.failed.items() if k not in summary.evaluated}
         summary.seconds = time.time() - started
