@@ -63,7 +63,7 @@ class Evaluator:
         self.abandon: threading.Event | None = None  # `follow`'s: set, nothing new is scored and a running child is stopped
         self.scored: dict[str, str] = {}  # scoring key -> fingerprint of a model scored under it (its scores are its twins')
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        # started at the first batch, ended by run (or kept for the next stage) and follow
+        # started at its first batch; run and follow leave it to the next evaluation, or end it when interrupted
         self.worker = kept_worker(self.cfg, self.work_dir)
         self.no_data = tasks_without_data(include, cfg.checkpoint_tasks + cfg.model_tasks)
         for task, reason in self.no_data.items():
