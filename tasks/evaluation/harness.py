@@ -7,13 +7,12 @@ built-in tasks costs ~35 s per call, paid only when a recipe asks for them (`inc
 
 Evaluations run in a child process (`python -m tasks.evaluation.harness`) at a lower CPU priority
 with one thread, so evaluating checkpoints while the trainer runs slows training as little as
-possible and a crash in lm-eval never takes the flow down with it. The child (`EvalWorker`) lives
-as long as its evaluator: the checkpoint follower hands it each batch of jobs (the checkpoints
-pending at once, a finished model's base and chat tasks) over its stdin, so its ~11 s of imports
-(lm-eval, torch, transformers) are paid once per stage, not once per batch beside the trainer. A
-stage's own evaluation (`kept_worker`) leaves its child to the next one in the same process: SFT,
-APO, GRPO and the evaluate stage of one pipeline share a child, and so do a run's checkpoint follower
-and the runs of an ablation or a swarm: each job names its run's task folder and its thread count.
+possible and a crash in lm-eval never takes the flow down with it. The child (`EvalWorker`) is handed
+each batch of jobs (the checkpoints pending at once, a finished model's base and chat tasks) over its
+stdin, and each evaluation leaves it to the next one in the same process (`kept_worker`): the follower's
+to the stage's, SFT's to APO's, one run's to another's in an ablation or a swarm (each job names its
+run's task folder and its thread count). So its ~12 s of imports (lm-eval, torch, transformers) are paid
+once per process and evaluation config, not once per batch, stage or run.
 """
 
 from __future__ import annotations
