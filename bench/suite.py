@@ -4,7 +4,10 @@ Each side is a fresh `git clone` of its revision (this working tree's commit, or
 own pytest command with this checkout's `.venv`. CPU work is the machine's busy time from /proc/stat (user, nice,
 system, irq, softirq over all cores) across the run: it counts what the suite starts outside its own process tree
 (Slurm jobs under slurmd, Ray workers, the Prefect server), which getrusage would miss, so keep the box otherwise
-idle; the idle box's own busy time over the same span is measured first and printed.
+idle; the idle box's own busy time over the same span is measured first and printed. Each side's CPU is also
+split by kind of process (trainer ranks, eval children, Prefect servers, Ray workers...): every process is sampled
+once a second and keeps its last CPU reading, so a process shorter than a second, and a process's last second, are
+missed; the table says how much of the busy time it explains.
 Usage:  .venv/bin/python bench/suite.py [--base 96210ee] [--rev HEAD] [--only base|rev] [--json FILE] [--pytest-args ARGS]
 (96210ee: the suite when issue 42 asked for a cut to 0.7x its CPU work.)
 """
@@ -14,11 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 BUSY = (0, 1, 2, 5, 6)  # user nice system irq softirq in /proc/stat's "cpu" line
@@ -27,6 +34,80 @@ BUSY = (0, 1, 2, 5, 6)  # user nice system irq softirq in /proc/stat's "cpu" lin
 def busy_s() -> float:
     fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
     return sum(int(fields[i]) for i in BUSY) / os.sysconf("SC_CLK_TCK")
+
+
+# kind of process -> what its command line matches; the first match wins, so launchers come before their ranks
+KINDS = [
+    (
+        "launcher (torchrun, accelerate, deepspeed, srun, tether)",
+        r"torch\.distributed\.run|accelerate\.commands|deepspeed|\bsrun\b|infra\.procs",
+    ),
+    ("pretraining rank", r"-m model\.train"),
+    ("post-training rank", r"-m postrain\.run"),
+    ("vLLM generation", r"postrain\.generation|vllm"),
+    ("eval child", r"tasks\.evaluation\.harness"),
+    ("Prefect server", r"prefect server start|uvicorn"),
+    ("Prefect flow run (deployments)", r"prefect\.engine|prefect worker"),
+    ("Ray (head, workers)", r"/ray/|raylet|gcs_server"),
+    ("datatrove (forkserver, pickled pipelines)", r"forkserver|launch_pickled_pipeline|resource_tracker"),
+    ("CLI (smolflow ...)", r"bin/smolflow|-m flows\.cli"),
+    ("pytest workers (flows run in-process)", r"sys\.stdin\.readline|bin/pytest|-m pytest"),
+    ("Slurm daemons", r"slurm|munged"),
+]
+
+
+class Census:
+    """CPU seconds by kind of process, from a sample of every process each second (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[int, float], tuple[str, float]] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self.stop.wait(1.0):
+            for p in psutil.process_iter(["cmdline", "create_time"]):
+                try:
+                    key = (p.pid, p.info["create_time"])
+                    kind = self.seen[key][0] if key in self.seen else kind_of(" ".join(p.info["cmdline"] or []))
+                    t = p.cpu_times()
+                    self.seen[key] = (kind, t.user + t.system)
+                except (psutil.Error, TypeError):
+                    continue
+
+    def __enter__(self) -> Census:
+        self.before = {(p.pid, p.info["create_time"]) for p in psutil.process_iter(["create_time"])}
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def by_kind(self) -> dict[str, dict[str, float]]:
+        """kind -> processes and CPU seconds since the census started (a process older than it counts from 0)."""
+        out: dict[str, dict[str, float]] = {}
+        for key, (kind, cpu) in self.seen.items():
+            if key in self.before:
+                continue
+            row = out.setdefault(kind, {"processes": 0, "cpu_s": 0.0})
+            row["processes"] += 1
+            row["cpu_s"] += cpu
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]["cpu_s"]))
+
+
+def kind_of(cmd: str) -> str:
+    if not cmd:
+        return "kernel threads"
+    return next((kind for kind, rx in KINDS if re.search(rx, cmd)), "other Python" if "python" in cmd else "other programs")
+
+
+def print_kinds(kinds: dict[str, dict[str, float]], cpu: float) -> None:
+    counted = sum(row["cpu_s"] for row in kinds.values())
+    print(f"  by kind of process ({counted:.0f} CPU s sampled, {counted / cpu:.0%} of the busy time):")
+    for kind, row in kinds.items():
+        n = int(row["processes"])
+        print(f"  {row['cpu_s']:8.0f} s {row['cpu_s'] / counted:6.1%} {n:5d} processes {row['cpu_s'] / n:6.1f} s each  {kind}")
 
 
 def run_suite(rev: str, workers: int, extra: list[str], log: Path | None) -> dict:
@@ -40,14 +121,17 @@ def run_suite(rev: str, workers: int, extra: list[str], log: Path | None) -> dic
         cpu0, t0 = busy_s(), time.monotonic()
         # the venv's editable install points at this checkout: the clone's own code goes first, subprocesses too
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+        with Census() as census:
+            proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
         cpu, wall = busy_s() - cpu0, time.monotonic() - t0
     if log:
         log.write_text(proc.stdout + proc.stderr)
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
     print(f"{rev}: {tail}\n  wall {wall:.0f} s, CPU {cpu:.0f} s ({cpu / wall:.2f} cores busy)", flush=True)
+    kinds = census.by_kind()
+    print_kinds(kinds, cpu)
     return {"rev": rev, "commit": subprocess.check_output(["git", "-C", str(REPO), "rev-parse", rev], text=True).strip(),
-            "wall_s": wall, "cpu_s": cpu, "result": tail, "rc": proc.returncode}  # fmt: skip
+            "wall_s": wall, "cpu_s": cpu, "result": tail, "rc": proc.returncode, "by_kind": kinds}  # fmt: skip
 
 
 def main() -> None:
