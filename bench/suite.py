@@ -85,7 +85,7 @@ class Census:
         self.thread.join()
 
     def by_kind(self) -> dict[str, dict[str, float]]:
-        """kind -> processes and CPU seconds since the census started (a process older than it counts from 0)."""
+        """kind -> processes and their CPU seconds, of the processes started while the census ran."""
         out: dict[str, dict[str, float]] = {}
         for key, (kind, cpu) in self.seen.items():
             if key in self.before:
