@@ -72,7 +72,7 @@ class Census:
                     kind = self.seen[key][0] if key in self.seen else kind_of(" ".join(p.info["cmdline"] or []))
                     t = p.cpu_times()
                     self.seen[key] = (kind, t.user + t.system)
-                except (psutil.Error, TypeError):
+                except psutil.Error:
                     continue
 
     def __enter__(self) -> Census:
