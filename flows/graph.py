@@ -15,6 +15,7 @@ evaluation and report card follow from the graph.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from infra.recipe import Recipe
@@ -90,6 +91,7 @@ def build_graph(recipe: Recipe) -> Graph:
                     checkpoints=cfg.phase,
                     model="base" if last else None,
                     seed="pretrain.seed",
+                    reads=functools.partial(pretrain.phase_reads, sources=names),
                 )
             )
         )

@@ -23,16 +23,16 @@ from flows.ablation import checked, link_stores, run_all, steps_of, store_of
 from flows.graph import build_graph
 from flows.pipeline import STAGE_FLOWS, Overrides
 from infra.ablation import Ablation, AblationCfg, AblationRun, VariantCfg, resolve_ablation
-from infra.steps import MANIFEST, finished, read_manifest
+from infra.steps import MANIFEST, finished, part_fingerprint
 from infra.swarm import Draws, Swarm, bounds_of, draw_mixtures, load_swarm, proxy_name, rounded
 from tasks.curation.mixtures import MixtureError, resolve_mixtures
+from tasks.curation.pipelines import source_data
 from tasks.evaluation.compare import AblationRunDir, model_results
-from tasks.evaluation.results import fingerprint_listing, main_metric, run_results
+from tasks.evaluation.results import main_metric, run_results
 from tasks.evaluation.swarm import FAMILIES, Evidence, Fit, choose, fit, propose, publish, weighted
 from tasks.pretrain import mixture_phases
 
 CURATION = "curation"
-TOKENS = "data"  # the tokenize step's folder of token files, one sub-folder per source
 VALIDATE = "validate"  # ROOT/validate: the proposal beside the prior and the natural mixture at a larger scale
 CAP = "over the repetition cap (pretrain.max_epochs)"
 
@@ -47,10 +47,10 @@ def available_tokens(swarm: Swarm) -> dict[str, int]:
 
 
 def domain_fingerprints(swarm: Swarm) -> dict[str, str]:
-    """Each source's tokens as the proxies read them: one digest of the tokenize step's files of that source
-    (from its manifest's MD5s), so the evidence names the data it was measured on, not just its name."""
-    files = read_manifest(swarm.root / CURATION / build_graph(swarm.recipe).curation["tokenized"].name)["files"]
-    return {s: fingerprint_listing({rel: r["md5"] for rel, r in files.items() if rel.startswith(f"{TOKENS}/{s}/")}) for s in swarm.sources}
+    """Each source's tokens as the proxies read them: the digest a proxy's identity takes of that source's part of
+    the tokenize step (`reads`), so the evidence names the data it was measured on, not just its name."""
+    tokens = finished(swarm.root / CURATION, build_graph(swarm.recipe).curation["tokenized"])
+    return {s: part_fingerprint(tokens, (source_data(s),)) for s in swarm.sources}
 
 
 def known_tokens(swarm: Swarm) -> dict[str, int] | None:
@@ -67,7 +67,7 @@ def repetition_cap(swarm: Swarm, available: dict[str, int], scale: int = 1):
 
     def admissible(w: np.ndarray) -> str | None:
         changed = list(phases)
-        changed[swarm.cfg.phase] = phases[swarm.cfg.phase].model_copy(update={"mixture": swarm.as_dict(w)})
+        changed[swarm.cfg.phase] = phases[swarm.cfg.phase].model_copy(update={"mixture": swarm.mixture(w)})
         try:
             resolve_mixtures(changed, max_epochs, available)
         except MixtureError:

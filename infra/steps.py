@@ -47,7 +47,7 @@ from pydantic import BaseModel, SecretStr, ValidationError
 from infra.errors import DiskFull, SmolflowError, StepLocked, UpstreamMissing, disk_full
 from infra.locks import acquire, describe_holder, holding
 from infra.recipe import Recipe, is_operational, load_recipe, parse_recipe, recipe_dump
-from infra.storage import Mirror, StorageError, fingerprint_files, fsync_dir, fsync_tree, write_json_atomic
+from infra.storage import Mirror, StorageError, fingerprint_files, fingerprint_listing, fsync_dir, fsync_tree, write_json_atomic
 from infra.summaries import Summary, read_summary
 
 MANIFEST = "manifest.json"
@@ -134,6 +134,8 @@ class Step:
     is the pipeline stage whose flow builds it; `model` labels a finished HF model in `final/`, and
     `checkpoints` the pretraining phase whose checkpoints are evaluated as they are written. `seed` is
     the recipe key a trained step draws its randomness from: an ablation repeats the step by varying it.
+    `reads(config)` names, for an input the step reads only part of, the folders of it read (`data/code/`): that
+    input's fingerprint covers those alone (`part_fingerprint`), so a change elsewhere in it keeps the step's id.
     """
 
     name: str
@@ -145,9 +147,17 @@ class Step:
     model: str | None = None
     checkpoints: str | None = None
     seed: str | None = None
+    reads: Callable[[Any], Mapping[str, tuple[str, ...]]] | None = None
 
     def fingerprints(self, inputs: Mapping[str, StepOutput | str]) -> dict[str, str]:
-        fps = {k: v.fingerprint if isinstance(v, StepOutput) else v for k, v in inputs.items()}
+        """What the id hashes besides the config: each input's content (an upstream plan id in a plan), the part
+        of it named in `reads` where it names one, and the files `watch` names."""
+        parts = self.reads(self.config) if self.reads is not None else {}
+        fps = {}
+        for k, v in inputs.items():
+            if isinstance(v, StepOutput):
+                v = part_fingerprint(v, parts[k]) if k in parts else v.fingerprint
+            fps[k] = v
         if self.watch is not None:
             fps |= {f"file:{k}": v for k, v in self.watch(self.config).items()}
         return fps
@@ -217,6 +227,13 @@ def fingerprint_tree(root: Path, traces: frozenset[str] = TRACES) -> str:
         if path.is_file() and rel.parts[0] not in UNTRACKED_DIRS and path.name not in traces:
             files.append((rel.as_posix(), path))
     return fingerprint_files(files)
+
+
+def part_fingerprint(output: StepOutput, folders: tuple[str, ...]) -> str:
+    """The content of FOLDERS (relative, ending in '/') of a finished step, from its manifest's MD5s: the same bytes
+    under the same names give the same digest, whatever else the step holds (no folder: a constant)."""
+    files = (read_manifest(output.path) or {}).get("files", {})
+    return fingerprint_listing({rel: r["md5"] for rel, r in files.items() if rel.startswith(folders)})
 
 
 def folder_name(name: str, sid: str) -> str:

@@ -156,6 +156,13 @@ def fingerprint_files(files: Iterable[tuple[str, Path]]) -> str:
     return digest.hexdigest()[:20]
 
 
+def fingerprint_listing(files: Mapping[str, str]) -> str:
+    """relative path -> MD5 of every file of a folder (a model, a step's part) -> one hex digest: computed from a
+    manifest or a remote listing as well as from the files."""
+    payload = json.dumps(sorted(files.items()), separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
 def fingerprint_url(url: str, glob: str, s3: S3Cfg | None = None) -> str:
     """Fingerprint of the files a source reads: their bytes when local, size and ETag when remote.
 

@@ -9,6 +9,7 @@ A swarm file is small YAML:
     proxies: 8
     seed: 0                     # of the mixture draws (the proxies train with the recipe's seed)
     concentration: 8            # Dirichlet(concentration x prior): larger stays closer to the prior
+    sparsity: 0.3               # chance a draw leaves a source out (weight 0): such proxies survive a change of it
     prior: null                 # default: the base recipe's mixture of that phase
     bounds: {math: [0.05, 0.6]} # per source, [low, high]
     targets: {smol_ppl_prose: 1, smol_ppl_code: 1, smol_ppl_math: 1}   # task -> weight of its main metric
@@ -52,6 +53,13 @@ class SwarmCfg(Strict):
     proxies: int = Field(8, ge=4, le=512)
     seed: int = 0
     concentration: float = Field(8.0, gt=0, description="Dirichlet concentration: alpha = concentration x prior")
+    sparsity: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="chance a draw leaves out each source whose lower bound is 0 (RegMix's sparse draws): a proxy that "
+        "leaves a source out does not read its data, so when that data changes the proxy is reused as it is",
+    )
     prior: dict[str, float] | None = Field(None, description="default: the base recipe's mixture of the phase")
     bounds: dict[str, tuple[float, float]] = Field({}, description="per source: [low, high] of its weight")
     targets: dict[str, float] = Field(min_length=1, description="task -> weight of its main metric in the target (lower is better)")
@@ -97,8 +105,12 @@ class Swarm:
             concurrency=self.cfg.concurrency,
         )
 
+    def mixture(self, weights: np.ndarray) -> dict[str, float]:
+        """The phase's mixture as a recipe holds it: a source left out (weight 0) is not in it."""
+        return {s: w for s, w in self.as_dict(weights).items() if w > 0}
+
     def mixture_override(self, weights: np.ndarray) -> str:
-        pairs = ", ".join(f"{s}: {w:g}" for s, w in zip(self.sources, weights, strict=True))
+        pairs = ", ".join(f"{s}: {w:g}" for s, w in self.mixture(weights).items())
         return f"pretrain.phases.{self.cfg.phase}.mixture={{{pairs}}}"
 
     def as_dict(self, weights: np.ndarray) -> dict[str, float]:
@@ -170,9 +182,18 @@ def draw_mixtures(swarm: Swarm, n: int, seed: int, admissible: Callable[[np.ndar
             return "outside the bounds"
         return admissible(w)
 
+    droppable = low == 0
+
+    def draw() -> np.ndarray:
+        w = rng.dirichlet(alpha)
+        if swarm.cfg.sparsity == 0:
+            return w  # no extra random numbers: a seed's dense draws stay as they were
+        kept = ~droppable | (rng.random(len(w)) >= swarm.cfg.sparsity)
+        return w * kept / (w * kept).sum() if kept.any() else w
+
     candidates = [swarm.prior]
     while len(chosen) < n:
-        w = rounded(candidates.pop() if candidates else rng.dirichlet(alpha))
+        w = rounded(candidates.pop() if candidates else draw())
         if (why := refuse(w)) is None:
             chosen.append(w)
             continue
@@ -186,7 +207,8 @@ def draw_mixtures(swarm: Swarm, n: int, seed: int, admissible: Callable[[np.ndar
 
 
 def rounded(w: np.ndarray, places: int = 4) -> np.ndarray:
-    """Weights a recipe accepts as written: each > 0 at PLACES decimals, summing to 1 (the largest takes the rest)."""
-    w = np.maximum(np.round(w, places), 10.0**-places)
+    """Weights a recipe accepts as written: each left in > 0 at PLACES decimals (a 0 stays out), summing to 1 (the
+    largest takes the rest)."""
+    w = np.where(w > 0, np.maximum(np.round(w, places), 10.0**-places), 0.0)
     w[np.argmax(w)] += 1 - w.sum()
     return np.round(w, places)

@@ -30,7 +30,7 @@ from model.config import Schedule, TrainConfig, TrainJob
 from tasks.card import write_card
 from tasks.common import run_logger, stage_task, tracking_env, tracking_project
 from tasks.curation.mixtures import MixturePhase, windows
-from tasks.curation.pipelines import DATA
+from tasks.curation.pipelines import source_data
 from tasks.evaluation.report import pretraining_table, step_metrics
 
 # Checkpoints kept beyond keep_last while the eval follower catches up (tasks/evaluate.py).
@@ -103,6 +103,17 @@ class PhaseStepCfg(Strict):
     storage: StorageCfg = operational(StorageCfg())
 
 
+def phase_reads(cfg: PhaseStepCfg, sources: list[str]) -> dict[str, tuple[str, ...]]:
+    """A phase that draws on some of the curated SOURCES reads only their token files (`TrainJob.sources`), and of
+    the mixtures step nothing (its config carries the counts; the step is its gate): a change in another source's
+    data keeps its id and model, so a swarm proxy that left that source out is reused. A phase that draws on every
+    source keeps the whole outputs' fingerprints."""
+    drawn = list(cfg.train.samples)
+    if set(drawn) >= set(sources):
+        return {}
+    return {"tokens": tuple(source_data(s) for s in drawn), "budget": ()}
+
+
 def trainer_env(storage: StorageCfg, run_dir: Path) -> dict[str, str]:
     """Credentials reach the trainer through its environment, never through the job file."""
     env = tracking_env(run_dir)
@@ -170,7 +181,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
         t = t.model_copy(update={"peak_flops": run_peak_flops(run_dir, thread_count(cfg.launcher.threads_per_rank), t.phase)})
     job = TrainJob(
         config=t,
-        sources={name: str(inputs["tokens"].path / DATA / name) for name in t.samples},
+        sources={name: str(inputs["tokens"].path / source_data(name)) for name in t.samples},  # what phase_reads names
         tokenizer_dir=str(inputs["bpe"].path),
         out_dir=str(out),
         checkpoint_dir=str(out / CHECKPOINTS),

@@ -937,15 +937,16 @@ def test_two_hosts_scoring_one_model_in_one_bucket_keep_each_others_results(buck
     def mv(self, *args, **kwargs):  # host A's commit: host B commits its own result first
         if not interleaved:
             interleaved.append(True)
-            host_b.put(model, {"smol_ppl_code": {"bits_per_byte": 1.5}}, "k", None, 2.0)
+            host_b.put(model, {"smol_ppl_code": {"bits_per_byte": 1.5}}, {"smol_ppl_code": "k"}, None, 2.0)
         return first(self, *args, **kwargs)
 
     monkeypatch.setattr(type(host_a.fs), "mv", mv)
-    record = host_a.put(model, {"smol_arithmetic_cf": {"acc": 0.5}}, "k", None, 3.0)
+    record = host_a.put(model, {"smol_arithmetic_cf": {"acc": 0.5}}, {"smol_arithmetic_cf": "k"}, None, 3.0)
     assert interleaved and set(record["tasks"]) == {"smol_arithmetic_cf", "smol_ppl_code"}
-    assert record["seconds"] == 5.0 and host_b.pending(model, ["smol_arithmetic_cf", "smol_ppl_code"], "k") == []
+    both = ["smol_arithmetic_cf", "smol_ppl_code"]
+    assert record["seconds"] == 5.0 and host_b.pending(model, both, dict.fromkeys(both, "k")) == []
     host_a.all()  # host A has listed the store; host B adds a result: A's next read lists afresh, not from its cache
-    host_b.put(model, {"smol_ppl_prose": {"bits_per_byte": 2.5}}, "k", None, 1.0)
+    host_b.put(model, {"smol_ppl_prose": {"bits_per_byte": 2.5}}, {"smol_ppl_prose": "k"}, None, 1.0)
     assert "smol_ppl_prose" in host_a.get(model.fingerprint)["tasks"]
     # a record of the earlier layout (one object per model) still reads, merged with the objects written since
     fs.pipe(

@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -130,6 +131,26 @@ def test_lm_eval_scores_a_model_once_per_content(tmp_path, heldout):
     assert local_fingerprint(other) != ref.fingerprint
     wider = evaluator(tmp_path, heldout, cfg.model_copy(update={"checkpoint_tasks": cfg.checkpoint_tasks + ["smol_word_problems_cf"]}))
     assert wider.task_groups(ref) == [(["smol_word_problems_cf"], False)]
+
+
+def test_a_model_is_scored_again_on_held_out_data_that_changed_and_on_nothing_else(tmp_path, heldout):
+    """A model reused as it is (a swarm proxy that left out the source whose data changed) keeps its scores, but
+    its score on held-out documents that changed is measured again: a task's result key holds its data's content."""
+    cfg = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf", "smol_ppl_code", "smol_ppl_math"], limit=4)
+    ev = evaluator(tmp_path / "a", heldout, cfg)
+    ref = ModelRef("m", "fp", "phase1/step00000005", "checkpoint", "phase1")
+    ev.store.put(ref, {t: {"acc": 0.5} for t in cfg.checkpoint_tasks}, ev.keys, 4, 1.0)
+    assert ev.task_groups(ref) == []
+
+    def scored_on(docs: Path, name: str) -> Evaluator:
+        return Evaluator(cfg, ev.store, prepare_tasks(cfg.task_dirs, docs, tmp_path / name), tmp_path / "work", log)
+
+    moved = tmp_path / "moved"  # the same documents in another run's store
+    shutil.copytree(heldout, moved)
+    assert scored_on(moved, "b").task_groups(ref) == []
+    with gzip.open(moved / "math" / "00000.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"id": "math-9", "text": "What is 9 + 9? The answer is 18. " * 5}) + "\n")
+    assert scored_on(moved, "c").task_groups(ref) == [(["smol_ppl_math"], False)]
 
 
 def test_scoring_a_model_starts_no_machine_report_processes(tmp_path, heldout, monkeypatch):
@@ -504,7 +525,7 @@ def test_report_card_from_a_run_dir(tmp_path):
     store = ResultStore(str(run / "evals" / "results"))
     cf = {"acc": 0.3, "acc_stderr": 0.04, "acc_norm": 0.2, "chance": 0.25}
     scores = {"smol_arithmetic_cf": cf, "smol_ppl_code": {"bits_per_byte": 2.5}}
-    store.put(models[0], scores, "k", 150, 3.0)
+    store.put(models[0], scores, dict.fromkeys(scores, "k"), 150, 3.0)
 
     card = build_report(run, recipe.name, graph.steps)
     text = card.path.read_text()

@@ -108,11 +108,11 @@ def test_evaluation_results_are_keyed_by_what_changes_a_score(tmp_path):
     store = ResultStore(str(tmp_path))
     model = ModelRef(str(tmp_path), "fp", "phase1/step00000005", "checkpoint", "phase1")
     base = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=8)
-    store.put(model, {"smol_arithmetic_cf": {"acc": 0.25}}, eval_key(base), 8, 1.0)
+    store.put(model, {"smol_arithmetic_cf": {"acc": 0.25}}, {"smol_arithmetic_cf": eval_key(base)}, 8, 1.0)
     for same in (base.model_copy(update={"threads": 2, "nice": 0, "batch_size": 4, "poll_seconds": 1}),):
-        assert store.pending(model, ["smol_arithmetic_cf"], eval_key(same)) == []
+        assert store.pending(model, ["smol_arithmetic_cf"], {"smol_arithmetic_cf": eval_key(same)}) == []
     for other in (base.model_copy(update={"limit": 16}), base.model_copy(update={"max_length": 64})):
-        assert store.pending(model, ["smol_arithmetic_cf"], eval_key(other)) == ["smol_arithmetic_cf"]
+        assert store.pending(model, ["smol_arithmetic_cf"], {"smol_arithmetic_cf": eval_key(other)}) == ["smol_arithmetic_cf"]
 
 
 def test_dry_run_names_the_changed_keys_and_runs_nothing(everything):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -86,6 +87,35 @@ def test_downstream_reruns_only_when_upstream_content_changes(tmp_path):
     assert not down3.cached and down3.step_id != down.step_id
 
 
+def test_a_step_that_reads_part_of_an_input_keeps_its_id_when_only_the_rest_changes(tmp_path):
+    """`reads`: a pretraining phase that draws on prose alone (a swarm proxy that left math out) is not built again
+    when math's tokens change; a step that reads math, or all of the input, is."""
+    calls: list = []
+
+    def tokens(math: str) -> Step:
+        def build(cfg, inputs, out: Path) -> dict:
+            for source, text in (("prose", "p"), ("math", math)):
+                (out / "data" / source).mkdir(parents=True)
+                (out / "data" / source / "00000.bin").write_text(text)
+            return {}
+
+        return Step("tokens", "test", build, Cfg(v=len(math)))
+
+    def reader(name: str, *folders: str) -> Step:
+        return dataclasses.replace(step(name, calls, name, deps={"tokens": tokens("")}), reads=lambda cfg: {"tokens": folders})
+
+    readers = [reader("prose_only", "data/prose/"), reader("both", "data/prose/", "data/math/"), step("whole", calls, "w")]
+    first = run_step(tmp_path, tokens("m"), {})
+    ids = {s.name: run_step(tmp_path, s, {"tokens": first}).step_id for s in readers}
+    changed = run_step(tmp_path, tokens("mm"), {})
+    calls.clear()
+    again = {s.name: run_step(tmp_path, s, {"tokens": changed}) for s in readers}
+    assert calls == ["both", "whole"] and again["prose_only"].cached
+    assert again["prose_only"].step_id == ids["prose_only"] and again["both"].step_id != ids["both"]
+    gate = reader("gate")  # reads nothing of it: an order, not data
+    assert gate.step_id({"tokens": first}) == gate.step_id({"tokens": changed})
+
+
 def test_a_rebuild_elsewhere_with_the_same_outputs_gives_the_steps_downstream_the_same_ids(tmp_path):
     """A trainer's traces (its job with this machine's paths, metrics and summary with times, the model card, TRL's
     pickled arguments) are no part of what a step hands downstream: a phase rebuilt in another store or run dir
@@ -124,11 +154,11 @@ def test_a_full_disk_fails_a_step_or_a_result_naming_the_folder_and_its_free_spa
 
     shutil.rmtree(disk / STEPS / PARTIAL)  # room for a result, then a larger one that does not fit
     results, model = ResultStore(str(disk / "results")), ModelRef("m", "f1", "base", "model", "base")
-    first = results.put(model, {"t": {"acc": 0.5}}, "k", None, 1.0)
+    first = results.put(model, {"t": {"acc": 0.5}}, {"t": "k"}, None, 1.0)
     with open(disk / "filler", "wb") as filler, contextlib.suppress(OSError):
         filler.write(b"0" * 2**20)
     with pytest.raises(DiskFull, match=r"evaluation results: no space left writing .*\.f1\.t\.json\.\w+\.tmp \(0\.\d MiB free there\)"):
-        results.put(model, {"t": {"acc": 0.7, "items": [[1.0, 1.0]] * 50_000}}, "k2", None, 1.0)
+        results.put(model, {"t": {"acc": 0.7, "items": [[1.0, 1.0]] * 50_000}}, {"t": "k2"}, None, 1.0)
     assert results.get("f1") == first and not list((disk / "results").glob(".*.tmp"))
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
+from flows.graph import build_graph
 from infra.ablation import resolve_ablation
 from infra.recipe import RecipeError
 from infra.swarm import draw_mixtures, load_swarm, proxy_name
@@ -21,6 +22,7 @@ from tests.clusters import scores
 from tests.helpers import micro_recipe, write_recipe
 
 VALIDATED = ("proposed", "prior", "natural")
+PROXIES = [proxy_name(i) for i in range(4)]
 TARGETS = {"smol_ppl_code": 1.0, "smol_ppl_math": 1.0, "smol_ppl_prose": 1.0}
 FAST = {
     "pretrain.checkpoint.every_steps": 1000,
@@ -51,6 +53,24 @@ def test_draws_stay_in_bounds_pass_the_callers_check_and_count_what_was_redrawn(
     assert np.allclose(w[0], swarm.prior)  # the prior is the first proxy
     assert np.array_equal(draw_mixtures(swarm, 40, seed=3, admissible=refused_math).mixtures, w)  # a rerun draws the same proxies
     assert len({tuple(r) for r in w}) == 40
+
+
+def test_sparse_draws_leave_sources_out_and_a_proxy_that_does_reads_only_the_tokens_of_the_rest(tmp_path):
+    """RegMix's sparse draws: a source whose lower bound is 0 is left out of some proxies (weight 0, not in their
+    recipe), and such a proxy's pretraining identity covers the tokens of the sources it draws on alone."""
+    swarm = load_swarm(swarm_file(tmp_path, proxies=12, sparsity=0.4, bounds={"math": [0.05, 0.5]}))
+    w = draw_mixtures(swarm, 12, seed=3).mixtures
+    math_ = swarm.sources.index("math")
+    assert np.allclose(w.sum(axis=1), 1) and (w[:, math_] >= 0.05).all(), "a bounded source is never left out"
+    assert 3 <= (w == 0).any(axis=1).sum() < 12 and (w > 0).all(axis=1).sum() >= 2
+    assert not np.array_equal(w, draw_mixtures(replace(swarm, cfg=swarm.cfg.model_copy(update={"sparsity": 0})), 12, seed=3).mixtures)
+    runs = resolve_ablation(swarm.ablation_cfg(w), swarm.path, tmp_path / "sw").runs
+    for run, weights in zip(runs, w, strict=True):
+        phase = build_graph(run.recipe).phases[0]
+        drawn = [s for s, x in zip(swarm.sources, weights, strict=True) if x > 0]
+        assert list(run.recipe.pretrain.phases[0].mixture) == drawn
+        reads = phase.reads(phase.config)
+        assert reads == ({} if len(drawn) == 3 else {"tokens": tuple(f"data/{s}/" for s in drawn), "budget": ()})
 
 
 def test_a_swarm_file_is_checked_against_its_base_recipe(tmp_path):
@@ -300,3 +320,45 @@ def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds
 
     swarm_flow(str(path), str(root))  # the same draws, the same step identities: nothing is built again
     assert len(log.read_text().splitlines()) == len(builds)
+
+
+@pytest.mark.slow
+def test_a_rerun_after_one_source_changed_trains_only_the_proxies_that_draw_on_it(tmp_path, prefect_server):
+    """Evidence tied to content: with a named tokenizer, changing math's documents changes math's tokens alone; the
+    rerun trains again the proxies that draw on math and reuses, model and scores, the one that left it out."""
+    from flows.swarm import swarm_flow
+    from tasks.curation.tokenizer import save_hf, train_bpe
+
+    texts = [Path(csv.__file__).read_text(), Path(json.__file__).read_text(), *(f"What is {i} + {i}? {2 * i}." for i in range(200))]
+    tokenizer = tmp_path / "tokenizer"
+    save_hf(train_bpe(iter(texts * 2), vocab_size=512, min_frequency=2), tokenizer)
+    # seed 4 draws p000 (the prior), p001 (no code) and p003 with math, p002 without it; micro holds out no math documents
+    path = swarm_file(
+        tmp_path,
+        seed=4,
+        sparsity=0.5,
+        concurrency=2,
+        validation=None,
+        targets={"smol_ppl_code": 1.0, "smol_ppl_prose": 1.0},
+        set=[f"curate.tokenizer={{path: {tokenizer / 'tokenizer.json'}}}"],
+    )
+    root = tmp_path / "sw"
+    swarm_flow(str(path), str(root))
+    before = scores(root)
+    model_ids = lambda: {p: json.loads((root / p / "pretrain_phase1" / "manifest.json").read_text())["step_id"] for p in PROXIES}  # noqa: E731
+    trained = model_ids()
+    log = root / "steps" / "builds.jsonl"
+    built = len(log.read_text().splitlines())
+
+    report = Path(swarm_flow(str(path), str(root), ["embedded.math_problems=500"]))
+    builds = [json.loads(line)["folder"].rsplit("-", 1)[0] for line in log.read_text().splitlines()[built:]]
+    assert builds.count("tokenize") == 1 and builds.count("pretrain_phase1") == 3, builds
+    again = model_ids()
+    assert [p for p in trained if again[p] == trained[p]] == ["p002"], "only the proxy without math keeps its model"
+    after = {r["run_id"]: r for r in scores(root)}
+    assert after["p002"] == next(r for r in before if r["run_id"] == "p002"), "its scores are reused as measured"
+    proxies = {p["name"]: p for p in json.loads((root / "report" / "swarm.json").read_text())["proxies"]}
+    assert set(proxies["p002"]["domains"]) == {"prose", "code"} and set(proxies["p001"]["domains"]) == {"prose", "math"}
+    text = report.read_text()
+    assert "**Changed since the last report:** the tokens of math" in text and "3 proxies that draw on them were trained" in text
+    assert "1 that leave them out were reused as they were (p002:" in text

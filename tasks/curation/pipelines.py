@@ -59,6 +59,11 @@ HELDOUT = "heldout"  # tokenize/heldout/SOURCE: documents kept out of training f
 DOC_FILES = "*/*.jsonl.gz"
 
 
+def source_data(source: str) -> str:
+    """The folder of one source's token files in the tokenize step (tokenize/data/SOURCE/), as a step's `reads` names it."""
+    return f"{DATA}/{source}/"
+
+
 # --- executors -------------------------------------------------------------------------------
 
 

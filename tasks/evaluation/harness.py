@@ -23,6 +23,7 @@ import functools
 import gc
 import glob
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -44,6 +45,7 @@ from infra.env import thread_count, vllm_build, vllm_engine_args
 from infra.errors import SmolflowError
 from infra.procs import die_with_parent
 from infra.recipe import EvalCfg
+from infra.storage import fingerprint_files
 from infra.summaries import outcomes
 from tasks.evaluation.results import ITEMS, main_metric
 
@@ -69,6 +71,23 @@ def prepare_tasks(task_dirs: list[str], heldout_dir: Path, out: Path) -> Path:
     return out
 
 
+TEST_DATA = re.compile(r'test: "([^"]+)"')  # a project task's local data files: a glob in its YAML
+
+
+def task_data(include: Path, tasks: list[str]) -> dict[str, str]:
+    """task -> digest of its YAML with each data glob replaced by the content of the files it matches ('' for a
+    built-in lm-eval task): the same data under another run's path gives the same digest, new data another."""
+    digests = {}
+    for task in tasks:
+        path = include / f"{task}.yaml"
+        if not path.is_file():
+            digests[task] = ""
+            continue
+        text = TEST_DATA.sub(lambda m: fingerprint_files((Path(f).name, Path(f)) for f in glob.glob(m[1])), path.read_text())
+        digests[task] = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return digests
+
+
 def tasks_without_data(include: Path, tasks: list[str]) -> dict[str, str]:
     """Project tasks whose local data files match no document (e.g. a source too small to hold any out)."""
     empty = {}
@@ -76,7 +95,7 @@ def tasks_without_data(include: Path, tasks: list[str]) -> dict[str, str]:
         path = include / f"{task}.yaml"
         if not path.is_file():
             continue  # a built-in lm-eval task: its data is lm-eval's business
-        for pattern in re.findall(r'test: "([^"]+)"', path.read_text()):
+        for pattern in TEST_DATA.findall(path.read_text()):
             if not any(_has_lines(f) for f in glob.glob(pattern)):
                 empty[task] = f"no documents in {pattern} (a source this small sets none aside: raise curate.heldout_fraction)"
     return empty

@@ -21,7 +21,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,7 @@ from infra.errors import DiskFull, disk_full
 from infra.locks import acquire
 from infra.recipe import EvalCfg, S3Cfg
 from infra.steps import CARD, CHECKPOINTS, FINAL, MANIFEST, Step, folder_step_id, identity, read_manifest, step_id
-from infra.storage import filesystem, known_digest, with_retries
+from infra.storage import filesystem, fingerprint_listing, known_digest, with_retries
 from model.checkpoint import MARKER, is_complete
 
 log = logging.getLogger(__name__)
@@ -82,12 +82,6 @@ class ModelRef:
             "tokens": self.tokens,
             "step_id": self.step_id,
         }
-
-
-def fingerprint_listing(files: dict[str, str]) -> str:
-    """relative path -> MD5 of every file of a model folder -> one hex digest."""
-    payload = json.dumps(sorted(files.items()), separators=(",", ":"))
-    return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
 CONFIG = "config.json"
@@ -286,18 +280,20 @@ class ResultStore:
         objects = self._read(self._list(f"{fingerprint}*.json"))  # FP.json and FP.TASK.json; another FP is dropped by name
         return _merged(fingerprint, objects.get(fingerprint, []))
 
-    def pending(self, model: ModelRef, tasks: list[str], key: str) -> list[str]:
-        """Tasks this model has no result for under this evaluation identity (`eval_key`)."""
+    def pending(self, model: ModelRef, tasks: list[str], keys: Mapping[str, str]) -> list[str]:
+        """Tasks this model has no result for under their KEYS (task -> `eval_key`, and the task's data where it has some)."""
         done = (self.get(model.fingerprint) or {}).get("tasks", {})
-        return [t for t in tasks if t not in done or done[t].get("key") != key]
+        return [t for t in tasks if t not in done or done[t].get("key") != keys[t]]
 
-    def put(self, model: ModelRef, metrics: dict[str, dict[str, float]], key: str, limit: int | None, seconds: float) -> dict[str, Any]:
+    def put(
+        self, model: ModelRef, metrics: dict[str, dict[str, float]], keys: Mapping[str, str], limit: int | None, seconds: float
+    ) -> dict[str, Any]:
         """One object per task (its item outcomes, when kept, beside its metrics; SECONDS shared among them); returns
         the model's record as it now reads."""
         self.fs.makedirs(self.root, exist_ok=True)
         at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         for task, m in metrics.items():
-            entry = {"key": key, "limit": limit, "metrics": {k: v for k, v in m.items() if k != ITEMS}}
+            entry = {"key": keys[task], "limit": limit, "metrics": {k: v for k, v in m.items() if k != ITEMS}}
             entry |= {ITEMS: m[ITEMS]} if ITEMS in m else {}
             record = {"fingerprint": model.fingerprint, "model": model.info(), "tasks": {task: entry}}
             self._write(f"{model.fingerprint}.{task}.json", record | {"seconds": round(seconds / len(metrics), 2), "evaluated_at": at})

@@ -23,7 +23,7 @@ from infra.procs import STOPPING
 from infra.recipe import EvalCfg, S3Cfg
 from infra.storage import Mirror, StorageError, download_folder
 from model.checkpoint import mark_evaluated
-from tasks.evaluation.harness import ABANDONED, EvalFailed, EvalJob, keep_worker, kept_worker, tasks_without_data
+from tasks.evaluation.harness import ABANDONED, EvalFailed, EvalJob, keep_worker, kept_worker, task_data, tasks_without_data
 from tasks.evaluation.results import ITEMS, RESULTS, ModelRef, ResultStore, eval_key, main_metric
 
 
@@ -40,6 +40,14 @@ class EvalSummary:
             f"{len(self.evaluated)} evaluated, {len(self.cached)} already had results, {len(self.busy)} left to a concurrent run, "
             f"{len(self.failed)} failed ({self.seconds:.0f} s)"
         )
+
+
+def result_keys(cfg: EvalCfg, include: Path) -> dict[str, str]:
+    """task -> the key its result is kept under: the evaluation config's identity (`eval_key`) and, for a task that
+    reads local data (held-out documents), that data's content. A model reused as it is (a swarm proxy that left a
+    changed source out) is scored again on held-out data that changed, and on nothing else."""
+    base = eval_key(cfg)
+    return {t: f"{base}.{d}" if d else base for t, d in task_data(include, cfg.checkpoint_tasks + cfg.model_tasks).items()}
 
 
 class Evaluator:
@@ -59,7 +67,7 @@ class Evaluator:
         serves this config (`kept_worker`), and is left to the next one in turn."""
         self.cfg = cfg.model_copy(update={"threads": cores()}) if alone else cfg
         self.store, self.include, self.work_dir, self.log = store, include, Path(work_dir), log
-        self.mirror, self.s3, self.key = mirror, s3, eval_key(cfg)
+        self.mirror, self.s3, self.keys = mirror, s3, result_keys(cfg, include)
         self.abandon: threading.Event | None = None  # `follow`'s: set, nothing new is scored and a running child is stopped
         self.scored: dict[str, str] = {}  # scoring key -> fingerprint of a model scored under it (its scores are its twins')
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -73,7 +81,7 @@ class Evaluator:
         """(pending tasks, chat template?) for this model; tasks without data are left out (and were warned about)."""
         groups = [(self.cfg.checkpoint_tasks, False)] + ([(self.cfg.model_tasks, True)] if model.kind == "model" else [])
         groups = [([t for t in tasks if t not in self.no_data], chat) for tasks, chat in groups]
-        return [(pending, chat) for tasks, chat in groups if (pending := self.store.pending(model, tasks, self.key))]
+        return [(pending, chat) for tasks, chat in groups if (pending := self.store.pending(model, tasks, self.keys))]
 
     def evaluate(self, models: list[ModelRef], summary: EvalSummary) -> set[str]:
         """Score each model on its pending tasks, in one batch of the child; returns the fingerprints of
@@ -103,7 +111,7 @@ class Evaluator:
                     if errors := [done["error"] for done in scored if "error" in done]:
                         raise EvalFailed(errors[0])
                     for done in scored:
-                        record = self.store.put(model, done["metrics"], self.key, self.cfg.limit, done["seconds"])
+                        record = self.store.put(model, done["metrics"], self.keys, self.cfg.limit, done["seconds"])
                 except (EvalFailed, OSError) as err:
                     self._failed(model, str(err), summary, failed)
                     continue
@@ -123,12 +131,12 @@ class Evaluator:
         scored on under this evaluation's key; returns the groups still pending."""
         twin = self.scored.get(model.scores_as) if model.scores_as else None
         record = self.store.get(twin) if twin and twin != model.fingerprint else None
-        have = {t: e for t, e in (record or {"tasks": {}})["tasks"].items() if e.get("key") == self.key}
+        have = {t: e for t, e in (record or {"tasks": {}})["tasks"].items() if e.get("key") == self.keys.get(t)}
         tasks = [t for pending, chat in groups if not chat for t in pending if t in have]
         if not tasks:
             return groups
         metrics = {t: have[t]["metrics"] | ({ITEMS: have[t][ITEMS]} if ITEMS in have[t] else {}) for t in tasks}
-        done = self.store.put(model, metrics, self.key, have[tasks[0]].get("limit"), 0.0)
+        done = self.store.put(model, metrics, self.keys, have[tasks[0]].get("limit"), 0.0)
         self.log.info(
             "eval %s: scores as %s (same weights and config): its %d task(s) copied", model.label, record["model"]["label"], len(tasks)
         )

@@ -245,7 +245,12 @@ def publish(
         out / "swarm.json",
         {
             "proxies": [
-                {"name": n, "mixture": dict(zip(ev.sources, map(float, w), strict=True)), **{t: float(ev.scores[t][i]) for t in tasks}}
+                {
+                    "name": n,
+                    "mixture": dict(zip(ev.sources, map(float, w), strict=True)),
+                    "domains": {s: ev.domains[s] for s, x in zip(ev.sources, w, strict=True) if x > 0},  # the data it read
+                    **{t: float(ev.scores[t][i]) for t in tasks},
+                }
                 for i, (n, w) in enumerate(zip(ev.names, ev.mixtures, strict=True))
             ],
             "target": {"weights": weights, "values": target.tolist()},
@@ -302,7 +307,11 @@ def _changed(out: Path, ev: Evidence) -> list[str]:
     changed = [s for s in ev.domains if s in before and before[s] != ev.domains[s]]
     if not changed:
         return []
+    reads = (ev.mixtures[:, [ev.sources.index(s) for s in changed]] > 0).any(axis=1)
+    kept = [n for n, r in zip(ev.names, reads, strict=True) if not r]
     return [
-        f"**Changed since the last report:** the tokens of {', '.join(changed)} (curation made other data); the proxies above "
-        "were trained on the new tokens, and every earlier coefficient for these sources is stale."
+        f"**Changed since the last report:** the tokens of {', '.join(changed)} (curation made other data). "
+        f"{int(reads.sum())} proxies that draw on them were trained on the new tokens; {len(kept)} that leave them out were "
+        f"reused as they were ({', '.join(kept) or 'none'}: their data is unchanged, and their scores on the new held-out data "
+        "were measured again). Every coefficient fitted before for these sources is stale."
     ]
