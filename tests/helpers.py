@@ -33,3 +33,15 @@ def write_jsonl(path: Path, records: list) -> Path:
         for r in records:
             f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
     return path
+
+
+def losses(out: Path) -> dict[int, float]:
+    """A pretraining phase's loss at each logged step (its metrics.jsonl); after a resume a step may be logged twice,
+    and the last one counts."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def logged_steps(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return path.read_bytes().count(b"\n") if path.exists() else 0

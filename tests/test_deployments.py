@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,7 +26,7 @@ import pytest
 from flows.server import Server
 from tasks.evaluation.results import run_results
 from tests.conftest import free_port
-from tests.helpers import REPO, micro_recipe, write_recipe
+from tests.helpers import REPO, logged_steps, losses, micro_recipe, write_recipe
 
 pytestmark = pytest.mark.slow
 PREFECT = str(Path(sys.executable).with_name("prefect"))
@@ -408,6 +409,66 @@ def test_a_stage_cancelled_through_the_api_checkpoints_and_its_rerun_resumes_wit
     resumed = {s: loss for s, loss in map(tuple, summary["loss"]) if s >= saved[0] + 2}  # logged over 2 steps, both resumed
     assert max(resumed) == steps and len(resumed) >= 10
     assert all(resumed[s] == pytest.approx(losses[s], rel=1e-4) for s in resumed), {s: (resumed[s], losses[s]) for s in resumed}
+
+
+def test_a_pretraining_stage_cancelled_through_the_api_checkpoints_where_it_stopped_and_its_rerun_ends_as_if_uncancelled(
+    server, pipeline, tmp_path
+):
+    """The cancel above, of the pretrain stage: its trainer saves a checkpoint at the step it reached (none is due: the
+    periodic ones are off) and exits, the run ends Cancelled with no rank left, and the rerun resumes from that checkpoint
+    to the losses of the same job run without a cancel."""
+    from infra.launch import launch_command, launch_env, run_streaming
+    from infra.recipe import load_recipe
+    from model.config import TrainJob
+
+    assert wait_final(server, pipeline.run_id)["state_type"] == "COMPLETED"
+    run_dir = pipeline.run_dir
+    # phase 1 alone, 2,500 steps of 256 tokens (a new step: another budget), no periodic checkpoint
+    longer = [*SFT_QUICK, "pretrain.until_phase=phase1", "pretrain.phases.0.tokens=640000", "pretrain.max_epochs=100"]
+    longer += ["pretrain.checkpoint.every_steps=100000"]
+    params = {"recipe": str(pipeline.recipe), "run_dir": str(run_dir), "overrides": longer}
+    curated = wait_final(server, run_deployment(server, "curate/tiny", params))  # the mixtures step: the new budget
+    assert curated["state_type"] == "COMPLETED", state_history(server, curated["id"])
+    with ThreadPoolExecutor(1) as pool:  # the CLI may return only once the trainer is well under way: the files say how far
+        started = pool.submit(run_deployment, server, "pretrain/tiny", params)
+        deadline = time.time() + 600
+        # the phase's partial folder (its job file tells it from the lock files beside it), past step 100
+        partial = lambda: next((j.parent for j in run_dir.glob("steps/.partial/pretrain_phase1-*/job.json")), None)  # noqa: E731
+        while (out := partial()) is None or logged_steps(out) < 20:
+            assert time.time() < deadline and not (started.done() and started.exception()), "the phase never trained 100 steps"
+            time.sleep(0.2)
+        run_id = started.result()
+    set_state(server, run_id, "CANCELLING")
+    print(f"cancelling at step {5 * logged_steps(out)}")
+    cancelled = wait_final(server, run_id, timeout_s=300)
+    assert cancelled["state_type"] == "CANCELLED", state_history(server, run_id)
+    assert not trainer_processes(run_dir), "a rank outlived the cancelled run"
+    tag = json.loads((out / "checkpoints" / "latest.json").read_text())["tag"]
+    assert 100 <= int(tag.removeprefix("step")) < 2500, f"saved where it stopped: {tag}"
+    assert logged(server, run_id, "received SIGTERM: checkpoint"), "the trainer said why it stopped"
+
+    rerun = run_deployment(server, "pretrain/tiny", params)
+    assert wait_final(server, rerun)["state_type"] == "COMPLETED", state_history(server, rerun)
+    assert logged(server, rerun, f"resumed phase1 from checkpoint {tag}")
+    step = run_dir / "pretrain_phase1"
+    job = TrainJob.model_validate_json((step / "job.json").read_text())
+    reference = tmp_path / "uninterrupted"
+    uncancelled = job.model_copy(update={"out_dir": str(reference), "checkpoint_dir": str(reference / "checkpoints"), "mirror": None})
+    reference.mkdir()
+    (reference / "job.json").write_text(uncancelled.model_dump_json())
+    pretrain = load_recipe(pipeline.recipe, longer).pretrain
+    launcher = pretrain.launcher  # the same ranks and threads: the same sums
+    lines: list[str] = []
+    command = launch_command(launcher, "model.train", [str(reference / "job.json")], port=free_port())
+    code = run_streaming(command, launch_env(launcher), lines.append)
+    assert code == 0, lines[-20:]
+    resumed, expected = losses(step), losses(reference)
+    assert sorted(resumed) == sorted(expected) and max(expected) == 2500
+    # each logged loss is the mean over its window of log_every steps; the window the cancel cut is not the reference's
+    cut = int(tag.removeprefix("step"))
+    kept = [s for s in expected if not cut < s < cut + pretrain.log_every]
+    assert len(kept) == len(expected) - 1 and max(kept) == 2500
+    assert {s: resumed[s] for s in kept} == pytest.approx({s: expected[s] for s in kept}, rel=1e-5), "as if never cancelled"
 
 
 def sourced(server: Server) -> subprocess.CompletedProcess:

@@ -24,7 +24,7 @@ from infra.recipe import CheckpointCfg, LauncherCfg, ModelCfg
 from model.checkpoint import checkpoint_bytes, step_of
 from model.config import Schedule, TrainConfig, TrainJob
 from tasks.curation import tokenizer as bpe
-from tests.helpers import REPO
+from tests.helpers import REPO, logged_steps, losses
 
 pytestmark = pytest.mark.slow
 
@@ -107,17 +107,6 @@ def run_job(job: Path, launcher: LauncherCfg | None = None) -> list[str]:
     errors = [line for line in lines if re.search(r"error|terminate|abort|exception", line, re.I)]
     assert code == 0, "\n".join(errors[:20] + ["..."] + lines[-30:])
     return lines
-
-
-def losses(out: Path) -> dict[int, float]:
-    """The loss logged at each step; after a resume a step may be logged twice, and the last one counts."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
-
-
-def logged_steps(out: Path) -> int:
-    path = out / "metrics.jsonl"
-    return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
 def start_killable(job: Path) -> subprocess.Popen:

@@ -28,9 +28,9 @@ from tests.clusters import (
     slurm_executor,
     slurm_launcher,
 )
-from tests.helpers import REPO
+from tests.helpers import REPO, losses
 from tests.test_curation import planted  # noqa: F401  (planted: the fixture, curated locally)
-from tests.test_pretrain import data, losses, make_job, run_job  # noqa: F401  (data: the fixture)
+from tests.test_pretrain import data, make_job, run_job  # noqa: F401  (data: the fixture)
 
 pytestmark = pytest.mark.slow
 
