@@ -439,12 +439,12 @@ def test_a_pretraining_stage_cancelled_through_the_api_checkpoints_where_it_stop
             time.sleep(0.2)
         run_id = started.result()
     set_state(server, run_id, "CANCELLING")
-    print(f"cancelling at step {5 * logged_steps(out)}")
     cancelled = wait_final(server, run_id, timeout_s=300)
     assert cancelled["state_type"] == "CANCELLED", state_history(server, run_id)
     assert not trainer_processes(run_dir), "a rank outlived the cancelled run"
     tag = json.loads((out / "checkpoints" / "latest.json").read_text())["tag"]
     assert 100 <= int(tag.removeprefix("step")) < 2500, f"saved where it stopped: {tag}"
+    print(f"cancel: checkpoint {tag} of 2,500 steps")
     assert logged(server, run_id, "received SIGTERM: checkpoint"), "the trainer said why it stopped"
 
     rerun = run_deployment(server, "pretrain/tiny", params)
