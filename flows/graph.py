@@ -23,6 +23,7 @@ from infra.steps import Step
 from tasks import curate, postrain, pretrain
 from tasks.curation.filters import check_filters
 from tasks.evaluate import Models
+from tasks.evaluation.harness import check_generation_room
 
 # Pipeline stages in DAG order: each is a Prefect flow (`smolflow stage NAME`) building its steps.
 EVALUATE = "evaluate"  # the stage that scores what the others left (no steps of its own)
@@ -43,7 +44,8 @@ class Graph:
 
 
 def build_graph(recipe: Recipe) -> Graph:
-    """Every step of RECIPE; also checks what only stage code can (filter parameters against datatrove)."""
+    """Every step of RECIPE; also checks what only stage code can (filter parameters against datatrove, room for the
+    model tasks' generations in the pretrained model's context)."""
     check_filters(recipe.curate.filters)
     c, p, post, ex = recipe.curate, recipe.pretrain, recipe.postrain, recipe.executor
     names = [s.name for s in recipe.sources]
@@ -76,6 +78,7 @@ def build_graph(recipe: Recipe) -> Graph:
 
     phases: list[Step] = []
     train = pretrain.train_configs(recipe)
+    check_generation_room(recipe.evaluation, *pretrain.final_context(train))
     for i, cfg in enumerate(train):
         deps = {"tokens": tokens, "bpe": bpe, "budget": mixed} | ({"previous": phases[-1]} if phases else {})
         config = pretrain.PhaseStepCfg(train=cfg, launcher=p.launcher, storage=recipe.storage)

@@ -97,6 +97,15 @@ def train_configs(recipe: Recipe) -> list[TrainConfig]:
     return configs
 
 
+def final_context(configs: list[TrainConfig]) -> tuple[int, str]:
+    """The context of the pretrained model the phases export, and why: the first phase's sequence length, or the last
+    long-context phase's, times the YaRN factor the last phase writes (model/train.py builds the configs so)."""
+    trained = next((c for c in reversed(configs) if c.long_context), configs[0])
+    factor = configs[-1].yarn_factor or 1
+    why = f"the sequence length of {trained.phase}" + (f" x YaRN {factor:g}" if factor != 1 else "")
+    return int(trained.seq_len * factor), f"{why}; {configs[-1].phase} is the last phase trained"
+
+
 class PhaseStepCfg(Strict):
     train: TrainConfig
     launcher: LauncherCfg = operational(LauncherCfg())

@@ -164,3 +164,23 @@ def test_an_overlay_is_a_yaml_file_and_no_error_quotes_a_files_contents(tmp_path
     with pytest.raises(RecipeError, match=r"keys.yaml: not valid YAML at line 2, column \d+") as broken:
         load_recipe(REPO / "configs" / "micro.yaml", [f"@{tmp_path / 'keys.yaml'}"])
     assert secret not in str(refused.value) + str(broken.value)
+
+
+def test_a_model_task_that_would_fill_the_pretrained_models_context_is_refused_before_anything_runs(tmp_path):
+    """micro's phase 1 alone exports a 64-token model and its generative task may write 64 tokens: lm-eval asserted
+    that only when it scored the model, after training; the graph refuses it, naming the key and the phase."""
+    from flows.graph import build_graph
+    from tasks.evaluation.harness import generated_tokens
+
+    micro, short = REPO / "configs" / "micro.yaml", ["pretrain.until_phase=phase1"]
+    with pytest.raises(RecipeError, match=r"model_tasks: smol_arithmetic_gen generates up to 64 tokens.* 64-token .*length of phase1;"):
+        build_graph(load_recipe(micro, short))
+    build_graph(load_recipe(micro, [*short, "evaluation.model_tasks=[]"]))  # nothing generates
+    build_graph(load_recipe(micro, [*short, "evaluation.max_length=128"]))  # the context lm-eval is given
+    # a task of the user's (a tag lm-eval knows, an include) that sets no max_gen_toks: lm-eval's 256 tokens
+    (tmp_path / "_gen.yaml").write_text("output_type: generate_until\nprocess_results: !function utils.score\n")
+    (tmp_path / "mine.yaml").write_text("task: mine\ninclude: _gen.yaml\n")
+    assert generated_tokens([str(tmp_path)], "mine") == 256 and generated_tokens([str(tmp_path)], "hellaswag") is None
+    tasks = [f"evaluation.task_dirs=[{tmp_path}]", "evaluation.model_tasks=[mine]", "evaluation.checkpoint_tasks=[]"]
+    with pytest.raises(RecipeError, match=r"mine generates up to 256 tokens.* 256-token .*long_context x YaRN 2"):
+        build_graph(load_recipe(micro, tasks))  # micro as shipped: 128 tokens x 2

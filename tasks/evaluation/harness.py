@@ -41,10 +41,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from infra.env import thread_count, vllm_build, vllm_engine_args
 from infra.errors import SmolflowError
 from infra.procs import die_with_parent
-from infra.recipe import EvalCfg
+from infra.recipe import EvalCfg, RecipeError
 from infra.storage import fingerprint_files
 from infra.summaries import outcomes
 from tasks.evaluation.results import ITEMS, main_metric
@@ -105,6 +107,43 @@ def _has_lines(path: str) -> bool:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         return any(line.strip() for line in f)
+
+
+LM_EVAL_MAX_GEN_TOKS = 256  # what lm-eval's models generate for a task that sets no max_gen_toks
+
+
+class _AnyTag(yaml.SafeLoader):
+    """Reads an lm-eval task YAML whatever its tags (`!function`): only plain keys are looked at."""
+
+
+_AnyTag.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def generated_tokens(task_dirs: list[str], task: str) -> int | None:
+    """How many tokens a project task may generate (its `max_gen_toks`, through its `include`s); None for a task that
+    generates nothing or is not in TASK_DIRS (a built-in lm-eval task)."""
+    path = next((p for d in task_dirs if (p := Path(d) / f"{task}.yaml").is_file()), None)
+    spec: dict[str, Any] = {}
+    while path is not None and path.is_file():
+        data = yaml.load(path.read_text(), Loader=_AnyTag) or {}
+        spec = data | spec  # the including file's keys win
+        path = path.parent / data["include"] if "include" in data else None
+    if spec.get("output_type") != "generate_until":
+        return None
+    return (spec.get("generation_kwargs") or {}).get("max_gen_toks", LM_EVAL_MAX_GEN_TOKS)
+
+
+def check_generation_room(cfg: EvalCfg, context: int, why: str) -> None:
+    """Refuse a model task that may generate as many tokens as the scored model's context holds: lm-eval keeps the
+    context minus those tokens for the prompt and asserts that at scoring time, once training has run."""
+    if cfg.max_length:
+        context, why = cfg.max_length, "evaluation.max_length"
+    for task in cfg.model_tasks:
+        if (tokens := generated_tokens(cfg.task_dirs, task)) is not None and tokens >= context:
+            raise RecipeError(
+                f"evaluation.model_tasks: {task} generates up to {tokens} tokens, which leaves its prompt no room in the "
+                f"{context}-token context of the models it scores ({why}): leave it out, or train a longer context"
+            )
 
 
 def run_tasks(model_dir: Path, tasks: list[str], include: Path, cfg: EvalCfg, chat: bool) -> dict[str, dict[str, Any]]:
