@@ -189,7 +189,9 @@ def wait_for(target: str, proc: subprocess.Popen, run_dir: Path, timeout_s: floa
         if marker:
             for child in psutil.Process(proc.pid).children(recursive=True):
                 try:
-                    if marker in child.cmdline() and any(str(run_dir) in part for part in child.cmdline()):
+                    command = child.cmdline()
+                    # the eval child serves every evaluation of its process: its command line names no run
+                    if marker in command and (target == "evaluator" or any(str(run_dir) in part for part in command)):
                         return child
                 except psutil.NoSuchProcess:
                     pass
@@ -292,6 +294,8 @@ def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tupl
     most = watch.stop()
     problems = integrity(run_dir) + ([f"{most} trainers were alive at once: {watch.seen[:3]}"] if most > 1 else [])
     problems += [f"outlived its run: {name}" for name in left]
+    if made < kills:  # a drill that could not make its kills checked less than it was asked to
+        problems.append(f"{made} of {kills} kills made: the run ended before these targets ran: {', '.join(plan)}")
     return made, most, problems
 
 
