@@ -124,7 +124,9 @@ def generated_tokens(task_dirs: list[str], task: str) -> int | None:
     generates nothing or is not in TASK_DIRS (a built-in lm-eval task)."""
     path = next((p for d in task_dirs if (p := Path(d) / f"{task}.yaml").is_file()), None)
     spec: dict[str, Any] = {}
-    while path is not None and path.is_file():
+    seen: set[Path] = set()  # a file that includes itself, through others or not, is read once
+    while path is not None and path.is_file() and path.resolve() not in seen:
+        seen.add(path.resolve())
         data = yaml.load(path.read_text(), Loader=_AnyTag) or {}
         spec = data | spec  # the including file's keys win
         path = path.parent / data["include"] if "include" in data else None
