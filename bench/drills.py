@@ -189,9 +189,8 @@ def wait_for(target: str, proc: subprocess.Popen, run_dir: Path, timeout_s: floa
         if marker:
             for child in psutil.Process(proc.pid).children(recursive=True):
                 try:
-                    command = child.cmdline()
-                    # the eval child serves every evaluation of its process: its command line names no run
-                    if marker in command and (target == "evaluator" or any(str(run_dir) in part for part in command)):
+                    # a descendant of the run's flow process is the run's: a shared eval child names no run dir
+                    if marker in child.cmdline():
                         return child
                 except psutil.NoSuchProcess:
                     pass
