@@ -4,9 +4,12 @@ executors and launchers on the engines, curation compared with local, and the mi
 from __future__ import annotations
 
 import csv
+import json
+import shutil
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from infra.recipe import LauncherCfg, Strict, parse_recipe
@@ -57,6 +60,9 @@ def slurm_launcher(**slurm) -> LauncherCfg:
 
 
 PROXIES = ["p000", "p001", "p002", "p003"]
+# an engine's swarm trains the first two proxies (`concurrency: 2` starts them together) and finds the others, and the
+# curation, in a store seeded from local_swarm's (LocalSwarm.seed): two trainers at once on the engine, no work besides
+TRAINED, SEEDED = PROXIES[:2], PROXIES[2:]
 
 
 def micro_swarm(tmp_path: Path, engine: dict[str, str] | None = None, store: Path | None = None) -> tuple[Path, list[str]]:
@@ -87,15 +93,37 @@ class SwarmStore(Strict):
 
 def train_local_swarm(cfg: SwarmStore, inputs: NoInputs, out: Path) -> Summary:
     """The micro swarm run by this process's children, its steps in the session's swarm store (test_swarm.py's swarm
-    finds its proxies there); only its scores are kept here."""
-    import shutil
-
+    finds its proxies there); kept here: its scores, and the store folders each proxy's run dir links."""
     from flows.swarm import swarm_flow
 
     swarm_flow(str(micro_swarm(out, store=Path(cfg.store))[0]), str(out / "sw"))
     (out / "metrics.csv").write_bytes((out / "sw" / "report" / "metrics.csv").read_bytes())
+    store = Path(cfg.store).resolve()
+    folders = {p: sorted(f.resolve().name for f in (out / "sw" / p).iterdir() if f.resolve().parent == store) for p in PROXIES}
+    (out / "folders.json").write_text(json.dumps(folders))
     shutil.rmtree(out / "sw")
     return Summary()
+
+
+@dataclass(frozen=True)
+class LocalSwarm:
+    """local_swarm: what its proxies scored, and where their steps are."""
+
+    scores: list[dict[str, str]]
+    store: Path
+    folders: dict[str, list[str]]  # proxy -> the store folders its run dir links (curation, its mixtures, its pretraining)
+
+    def seed(self, dest: Path, proxies: list[str]) -> Path:
+        """A step store of its own at DEST holding copies of the curation and PROXIES' steps: a swarm over it trains
+        only the other proxies, and builds nothing the engine under test does not run."""
+        for name in {f for p in proxies for f in self.folders[p]}:
+            shutil.copytree(self.store / name, dest / name, symlinks=True)
+        return dest
+
+
+def built(store: Path) -> list[str]:
+    """The steps built in STORE, by name, sorted."""
+    return sorted(json.loads(line)["folder"].rsplit("-", 1)[0] for line in (store / "builds.jsonl").read_text().splitlines())
 
 
 def run_watched(swarm: tuple[Path, list[str]], root: Path, count: Callable[[], int]) -> int:

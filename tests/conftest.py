@@ -256,16 +256,17 @@ def swarm_store(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def local_swarm(prefect_server, swarm_store, tmp_path_factory) -> list[dict[str, str]]:
-    """What the micro swarm's proxies score trained by this process's children, what every engine must reproduce:
-    built once per `make test` (test_slurm.py, test_cluster.py and test_swarm.py run on three workers) through a
-    shared store."""
+def local_swarm(prefect_server, swarm_store, tmp_path_factory):
+    """The micro swarm's proxies trained by this process's children: what they score, what every engine must reproduce,
+    and their steps: built once per `make test` (test_slurm.py, test_cluster.py and test_swarm.py run on three workers)
+    through a shared store."""
+    import csv
+    import json
+
     from infra.steps import Step, run_step
-    from tests.clusters import SwarmStore, train_local_swarm
+    from tests.clusters import LocalSwarm, SwarmStore, train_local_swarm
 
     step = Step("local_swarm", "test", train_local_swarm, SwarmStore(store=str(swarm_store)))
     built = run_step(shared_root(tmp_path_factory) / "shared", step, {})
-    import csv
-
     with open(built.path / "metrics.csv") as f:
-        return list(csv.DictReader(f))
+        return LocalSwarm(list(csv.DictReader(f)), swarm_store, json.loads((built.path / "folders.json").read_text()))

@@ -13,7 +13,17 @@ import time
 import pytest
 
 from tasks.curation import pipelines
-from tests.clusters import PROXIES, cluster_executor, curate_and_compare, fail_on_rank_1, micro_swarm, run_watched, scores
+from tests.clusters import (
+    SEEDED,
+    TRAINED,
+    built,
+    cluster_executor,
+    curate_and_compare,
+    fail_on_rank_1,
+    micro_swarm,
+    run_watched,
+    scores,
+)
 from tests.conftest import free_port
 from tests.helpers import REPO
 from tests.test_curation import planted  # noqa: F401  (planted: the fixture, curated locally)
@@ -23,7 +33,8 @@ pytestmark = pytest.mark.slow
 
 def test_a_swarm_trains_its_proxies_as_ray_tasks_at_once(ray_head, local_swarm, tmp_path):
     """With `pretrain.launcher.kind: ray` each proxy's trainer is a Ray task reserving its cores: two run at once on the
-    2-core head, none is left behind, and every proxy scores exactly what it scores locally."""
+    2-core head, none is left behind, and every proxy scores exactly what it scores locally (the two not trained here
+    and the curation come from local_swarm's store)."""
     import psutil
 
     def ray_trainers() -> int:
@@ -37,12 +48,14 @@ def test_a_swarm_trains_its_proxies_as_ray_tasks_at_once(ray_head, local_swarm, 
                 pass
         return found
 
-    most = run_watched(micro_swarm(tmp_path, {"pretrain.launcher.kind": "ray"}), tmp_path / "sw", ray_trainers)
+    store = local_swarm.seed(tmp_path / "steps", SEEDED)
+    most = run_watched(micro_swarm(tmp_path, {"pretrain.launcher.kind": "ray"}, store), tmp_path / "sw", ray_trainers)
     assert most >= 2, f"at most {most} proxy task(s) ran at once"
-    for proxy in PROXIES:
+    assert built(store) == ["mixtures"] * 2 + ["pretrain_phase1"] * 2, "the trained proxies' steps alone, no curation"
+    for proxy in TRAINED:
         log = (tmp_path / "sw" / proxy / "pretrain_phase1" / "ray.log").read_text()
         assert log.startswith("ray: ") and "step" in log, "the trainer ran as a Ray task, its output in the step's ray.log"
-    assert scores(tmp_path / "sw") == local_swarm, "a proxy's scores do not depend on where it trained"
+    assert scores(tmp_path / "sw") == local_swarm.scores, "a proxy's scores do not depend on where it trained"
     time.sleep(2)  # trainers of other tests (other xdist workers) may run: only those under a Ray worker are this one's
     assert ray_trainers() == 0, "a trainer outlived its Ray task"
 

@@ -19,6 +19,9 @@ from tasks.curation import pipelines
 from tasks.pretrain import run_slurm_job
 from tests.clusters import (
     PROXIES,
+    SEEDED,
+    TRAINED,
+    built,
     curate_and_compare,
     fail_on_rank_1,
     micro_swarm,
@@ -237,15 +240,18 @@ def test_a_cancelled_flow_run_cancels_its_slurm_jobs(slurm, prefect_server, tmp_
 
 def test_a_swarm_trains_its_proxies_as_slurm_jobs_at_once(slurm, local_swarm, tmp_path):
     """`smolflow swarm FILE --set OVERLAY` with the pretraining launcher on Slurm: `concurrency: 2` puts two
-    proxies in the queue at once, no job is left behind, and every proxy scores exactly what it scores locally."""
+    proxies in the queue at once, no job is left behind, and every proxy scores exactly what it scores locally (the two
+    not trained here and the curation come from local_swarm's store)."""
     engine = {"pretrain.launcher.kind": "slurm", "pretrain.launcher.slurm.time": "10"}
+    store = local_swarm.seed(tmp_path / "steps", SEEDED)
     most = run_watched(
-        micro_swarm(tmp_path, engine),
+        micro_swarm(tmp_path, engine, store),
         tmp_path / "sw",
         lambda: sum(1 for j in slurm.jobs() if j["state"] == "RUNNING" and "pretrain_" in j["name"]),
     )
     assert most >= 2, f"at most {most} proxy job(s) ran at once"
-    assert all((tmp_path / "sw" / p / "pretrain_phase1" / "slurm.log").is_file() for p in PROXIES), "each proxy was a batch job"
+    assert built(store) == ["mixtures"] * 2 + ["pretrain_phase1"] * 2, "the trained proxies' steps alone, no curation"
+    assert all((tmp_path / "sw" / p / "pretrain_phase1" / "slurm.log").is_file() for p in TRAINED), "each proxy was a batch job"
     assert slurm.jobs() == []
-    assert [r["run_id"] for r in local_swarm] == PROXIES
-    assert scores(tmp_path / "sw") == local_swarm, "a proxy's scores do not depend on where it trained"
+    assert [r["run_id"] for r in local_swarm.scores] == PROXIES
+    assert scores(tmp_path / "sw") == local_swarm.scores, "a proxy's scores do not depend on where it trained"

@@ -275,7 +275,7 @@ def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds
 
     builds = [json.loads(line)["folder"].rsplit("-", 1)[0] for line in log.read_text().splitlines()]
     assert builds.count("tokenize") == 1 and builds.count("filter") == 1, "curation is built once for every proxy"
-    assert scores(root) == local_swarm, "the proxies' scores, from the steps the other swarm built"
+    assert scores(root) == local_swarm.scores, "the proxies' scores, from the steps the other swarm built"
     # the prior's proxy shares the curation run's mixtures step; every other proxy draws its own
     # 4 proxies, then the 3 mixtures x 2 seeds at 2x (a mixtures step per mixture, which its seeds share)
     mixed = {v: json.loads((root / "validate" / f"{v}-seed0" / "mixtures" / "mixtures.json").read_text()) for v in VALIDATED}
