@@ -60,8 +60,8 @@ def slurm_launcher(**slurm) -> LauncherCfg:
 
 
 PROXIES = ["p000", "p001", "p002", "p003"]
-# an engine's swarm trains the first two proxies (`concurrency: 2` starts them together) and finds the others, and the
-# curation, in a store seeded from local_swarm's (LocalSwarm.seed): two trainers at once on the engine, no work besides
+# an engine's swarm trains the first two proxies (`concurrency: 2` starts them together) and finds the other two, and
+# the curation, in a store seeded from local_swarm's (LocalSwarm.seed): the engine trains two at once and nothing more
 TRAINED, SEEDED = PROXIES[:2], PROXIES[2:]
 
 
@@ -114,8 +114,8 @@ class LocalSwarm:
     folders: dict[str, list[str]]  # proxy -> the store folders its run dir links (curation, its mixtures, its pretraining)
 
     def seed(self, dest: Path, proxies: list[str]) -> Path:
-        """A step store of its own at DEST holding copies of the curation and PROXIES' steps: a swarm over it trains
-        only the other proxies, and builds nothing the engine under test does not run."""
+        """A step store at DEST holding copies of the curation and of PROXIES' steps: a swarm over it curates nothing
+        and trains only the other proxies."""
         for name in {f for p in proxies for f in self.folders[p]}:
             shutil.copytree(self.store / name, dest / name, symlinks=True)
         return dest
