@@ -121,11 +121,6 @@ class LocalSwarm:
         return dest
 
 
-def built(store: Path) -> list[str]:
-    """The steps built in STORE, by name, sorted."""
-    return sorted(json.loads(line)["folder"].rsplit("-", 1)[0] for line in (store / "builds.jsonl").read_text().splitlines())
-
-
 def run_watched(swarm: tuple[Path, list[str]], root: Path, count: Callable[[], int]) -> int:
     """Run the swarm, sampling COUNT (trainers running on the engine) every half second; the most seen at once."""
     from flows.swarm import swarm_flow

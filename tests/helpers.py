@@ -7,6 +7,8 @@ from pathlib import Path
 
 import yaml
 
+from infra.steps import BUILDS
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -45,3 +47,8 @@ def losses(out: Path) -> dict[int, float]:
 def logged_steps(out: Path) -> int:
     path = out / "metrics.jsonl"
     return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def built(store: Path) -> list[str]:
+    """The steps built in STORE, by name, in the order they were built (its builds log: one line per build)."""
+    return [json.loads(line)["folder"].rsplit("-", 1)[0] for line in (store / BUILDS).read_text().splitlines()]

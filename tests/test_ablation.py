@@ -13,7 +13,7 @@ import yaml
 
 from infra.errors import SmolflowError
 from infra.recipe import RecipeError
-from tests.helpers import REPO, micro_recipe, write_recipe
+from tests.helpers import REPO, built, micro_recipe, write_recipe
 
 # post-training small enough for a test; checkpoints evaluated on one cloze task, models on one generative one
 FAST = {
@@ -197,13 +197,10 @@ def test_two_variants_at_once_build_each_shared_step_once_and_compare_with_inter
     root = tmp_path / "abl"
     report = Path(ablation_flow(str(path), str(root)))
 
-    builds = [json.loads(line) for line in (root / "steps" / "builds.jsonl").read_text().splitlines()]
-    folders = [b["folder"] for b in builds]
-    assert len(folders) == len(set(folders))  # no store folder was built twice
-    built = sorted(f.rsplit("-", 1)[0] for f in folders)
+    builds = built(root / "steps")
     shared = ["chat_data", "corpus", "decontaminate", "dedup", "filter", "ingest", "mixtures"]
     shared += ["pretrain_long_context", "pretrain_phase1", "pretrain_phase2", "pretrain_phase3", "tokenize", "tokenizer"]
-    assert built == sorted(shared + ["sft", "sft"])  # each shared step once, SFT once per variant
+    assert sorted(builds) == sorted(shared + ["sft", "sft"])  # each shared step once, SFT once per variant
     for name in shared:  # both run dirs link the same store folder
         assert (root / "slow" / name).resolve() == (root / "fast" / name).resolve()
     assert (root / "slow" / "sft").resolve() != (root / "fast" / "sft").resolve()
@@ -240,7 +237,7 @@ def test_two_variants_at_once_build_each_shared_step_once_and_compare_with_inter
 
     # a rerun builds nothing
     ablation_flow(str(path), str(root))
-    assert len((root / "steps" / "builds.jsonl").read_text().splitlines()) == len(builds)
+    assert len(built(root / "steps")) == len(builds)
     assert len(json.loads((root / "ablation.json").read_text())["wall_seconds"]) == 2  # the full build, then the rerun
 
 

@@ -16,7 +16,6 @@ from tasks.curation import pipelines
 from tests.clusters import (
     SEEDED,
     TRAINED,
-    built,
     cluster_executor,
     curate_and_compare,
     fail_on_rank_1,
@@ -25,7 +24,7 @@ from tests.clusters import (
     scores,
 )
 from tests.conftest import free_port
-from tests.helpers import REPO
+from tests.helpers import REPO, built
 from tests.test_curation import planted  # noqa: F401  (planted: the fixture, curated locally)
 
 pytestmark = pytest.mark.slow
@@ -51,7 +50,7 @@ def test_a_swarm_trains_its_proxies_as_ray_tasks_at_once(ray_head, local_swarm, 
     store = local_swarm.seed(tmp_path / "steps", SEEDED)
     most = run_watched(micro_swarm(tmp_path, {"pretrain.launcher.kind": "ray"}, store), tmp_path / "sw", ray_trainers)
     assert most >= 2, f"at most {most} proxy task(s) ran at once"
-    assert built(store) == ["mixtures"] * 2 + ["pretrain_phase1"] * 2, "the trained proxies' steps alone, no curation"
+    assert sorted(built(store)) == ["mixtures"] * 2 + ["pretrain_phase1"] * 2, "the trained proxies' steps alone, no curation"
     for proxy in TRAINED:
         log = (tmp_path / "sw" / proxy / "pretrain_phase1" / "ray.log").read_text()
         assert log.startswith("ray: ") and "step" in log, "the trainer ran as a Ray task, its output in the step's ray.log"

@@ -21,7 +21,6 @@ from tests.clusters import (
     PROXIES,
     SEEDED,
     TRAINED,
-    built,
     curate_and_compare,
     fail_on_rank_1,
     micro_swarm,
@@ -31,7 +30,7 @@ from tests.clusters import (
     slurm_executor,
     slurm_launcher,
 )
-from tests.helpers import REPO, losses
+from tests.helpers import REPO, built, losses
 from tests.test_curation import planted  # noqa: F401  (planted: the fixture, curated locally)
 from tests.test_pretrain import data, make_job, run_job  # noqa: F401  (data: the fixture)
 
@@ -250,7 +249,7 @@ def test_a_swarm_trains_its_proxies_as_slurm_jobs_at_once(slurm, local_swarm, tm
         lambda: sum(1 for j in slurm.jobs() if j["state"] == "RUNNING" and "pretrain_" in j["name"]),
     )
     assert most >= 2, f"at most {most} proxy job(s) ran at once"
-    assert built(store) == ["mixtures"] * 2 + ["pretrain_phase1"] * 2, "the trained proxies' steps alone, no curation"
+    assert sorted(built(store)) == ["mixtures"] * 2 + ["pretrain_phase1"] * 2, "the trained proxies' steps alone, no curation"
     assert all((tmp_path / "sw" / p / "pretrain_phase1" / "slurm.log").is_file() for p in TRAINED), "each proxy was a batch job"
     assert slurm.jobs() == []
     assert [r["run_id"] for r in local_swarm.scores] == PROXIES

@@ -19,7 +19,7 @@ from infra.recipe import RecipeError
 from infra.swarm import draw_mixtures, load_swarm, proxy_name
 from tasks.pretrain import train_configs
 from tests.clusters import scores
-from tests.helpers import micro_recipe, write_recipe
+from tests.helpers import built, micro_recipe, write_recipe
 
 VALIDATED = ("proposed", "prior", "natural")
 PROXIES = [proxy_name(i) for i in range(4)]
@@ -269,11 +269,10 @@ def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds
     # local_swarm's, whose steps are in the project-wide store this swarm shares: its curation and proxies are cached
     path = swarm_file(tmp_path, swarm_store, concurrency=2, bounds={"math": [0.05, 0.5]}, targets=targets, validation={"scale": 2})
     root = tmp_path / "sw"
-    log = swarm_store / "builds.jsonl"
-    before = len(log.read_text().splitlines())
+    before = len(built(swarm_store))
     report = Path(swarm_flow(str(path), str(root)))
 
-    builds = [json.loads(line)["folder"].rsplit("-", 1)[0] for line in log.read_text().splitlines()]
+    builds = built(swarm_store)
     assert builds.count("tokenize") == 1 and builds.count("filter") == 1, "curation is built once for every proxy"
     assert scores(root) == local_swarm.scores, "the proxies' scores, from the steps the other swarm built"
     # the prior's proxy shares the curation run's mixtures step; every other proxy draws its own
@@ -319,7 +318,7 @@ def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds
     assert {e["task"] for e in compared if e["variant"] == "proposed" and "verdict" in e} == {"smol_ppl_code", "smol_ppl_prose"}
 
     swarm_flow(str(path), str(root))  # the same draws, the same step identities: nothing is built again
-    assert len(log.read_text().splitlines()) == len(builds)
+    assert len(built(swarm_store)) == len(builds)
 
 
 @pytest.mark.slow
@@ -347,11 +346,10 @@ def test_a_rerun_after_one_source_changed_trains_only_the_proxies_that_draw_on_i
     before = scores(root)
     model_ids = lambda: {p: json.loads((root / p / "pretrain_phase1" / "manifest.json").read_text())["step_id"] for p in PROXIES}  # noqa: E731
     trained = model_ids()
-    log = root / "steps" / "builds.jsonl"
-    built = len(log.read_text().splitlines())
+    done = len(built(root / "steps"))
 
     report = Path(swarm_flow(str(path), str(root), ["embedded.math_problems=500"]))
-    builds = [json.loads(line)["folder"].rsplit("-", 1)[0] for line in log.read_text().splitlines()[built:]]
+    builds = built(root / "steps")[done:]
     assert builds.count("tokenize") == 1 and builds.count("pretrain_phase1") == 3, builds
     again = model_ids()
     assert [p for p in trained if again[p] == trained[p]] == ["p002"], "only the proxy without math keeps its model"
