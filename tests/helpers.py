@@ -49,6 +49,11 @@ def logged_steps(out: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
+def built_folders(store: Path) -> list[str]:
+    """The folders built in STORE (`name-<hash>`), in the order they were built (its builds log: one line per build)."""
+    return [json.loads(line)["folder"] for line in (store / BUILDS).read_text().splitlines()]
+
+
 def built(store: Path) -> list[str]:
-    """The steps built in STORE, by name, in the order they were built (its builds log: one line per build)."""
-    return [json.loads(line)["folder"].rsplit("-", 1)[0] for line in (store / BUILDS).read_text().splitlines()]
+    """The steps built in STORE, by name, in the order they were built."""
+    return [folder.rsplit("-", 1)[0] for folder in built_folders(store)]

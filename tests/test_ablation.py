@@ -13,7 +13,7 @@ import yaml
 
 from infra.errors import SmolflowError
 from infra.recipe import RecipeError
-from tests.helpers import REPO, built, micro_recipe, write_recipe
+from tests.helpers import REPO, built, built_folders, micro_recipe, write_recipe
 
 # post-training small enough for a test; checkpoints evaluated on one cloze task, models on one generative one
 FAST = {
@@ -197,6 +197,8 @@ def test_two_variants_at_once_build_each_shared_step_once_and_compare_with_inter
     root = tmp_path / "abl"
     report = Path(ablation_flow(str(path), str(root)))
 
+    folders = built_folders(root / "steps")
+    assert len(folders) == len(set(folders))  # no store folder was built twice
     builds = built(root / "steps")
     shared = ["chat_data", "corpus", "decontaminate", "dedup", "filter", "ingest", "mixtures"]
     shared += ["pretrain_long_context", "pretrain_phase1", "pretrain_phase2", "pretrain_phase3", "tokenize", "tokenizer"]
