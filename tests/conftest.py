@@ -60,8 +60,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def cpu_s() -> float:
     """CPU seconds of this process's tree so far: each live (or not yet reaped) process's own, and those of the
     processes it reaped. A test's difference then counts what a long-lived descendant (a fixture's server, the shared
-    eval child) used during it. RUSAGE_CHILDREN alone counted a child when it was reaped, often in a later test
-    (subprocess reaps a killed Popen at the next Popen): a 0.1 s test was listed at 68 s."""
+    eval child) used during it. RUSAGE_CHILDREN alone counted a child when it was reaped: in a later test (a 0.1 s
+    test was listed at 68 s), or never (a Popen no one waits for)."""
     me, total = psutil.Process(), 0.0
     for process in [me, *me.children(recursive=True)]:
         try:
