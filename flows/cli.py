@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from infra.env import apply_offline_defaults
 from infra.errors import SmolflowError
+
+if TYPE_CHECKING:  # the CLI imports the step machinery only in the commands that use it
+    from infra.steps import Run
 
 apply_offline_defaults()
 
@@ -152,15 +155,13 @@ def _memory(mem: dict[str, float]) -> str:
     return f"{mem['total'] / GiB:7.1f} GiB ({parts})"
 
 
-def _explain(recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str], always: bool) -> None:
+def _explain(run: Run, recipe: Path, overrides: list[str], stages: list[str], always: bool) -> None:
     """Print what running `stages` would do in the run dir: recipe changes against the frozen recipe, then
     each step as cached / pull / resume / run / rerun with the config keys that changed (the build's own
     decision, mirror included); only when the recipe changed, unless `always`."""
     from flows.graph import build_graph
     from infra.recipe import operational_key
-    from infra.steps import Run
 
-    run = Run.open(str(recipe), run_dir, overrides, freeze=False)
     if not always and not run.changes:
         return
     graph = build_graph(run.recipe)
@@ -181,24 +182,25 @@ def _explain(recipe: Path, run_dir: str | None, overrides: list[str], stages: li
     typer.echo(f"{runs} of {len(chosen)} steps would run; {len(chosen) - runs} cached.")
 
 
-def _check_upstream(recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str]) -> None:
+def _check_upstream(run: Run, stages: list[str]) -> None:
     """A stage whose inputs from earlier stages are missing fails here, in seconds, not in a flow run after a Prefect
     server start: the same decision the stage flow makes (cached, or pulled from the mirror), without pulling."""
     from flows.graph import build_graph
     from flows.pipeline import upstream
-    from infra.steps import Run
 
-    run = Run.open(str(recipe), run_dir, overrides, freeze=False)
     upstream(run, build_graph(run.recipe), stages, obtain=False)
 
 
 def _run_flow(flow_fn, recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str], dry_run: bool) -> None:
+    from infra.steps import Run
+
     try:
         _resolve(recipe, overrides)  # fail fast, before a Prefect server is started
-        _explain(recipe, run_dir, overrides, stages, always=dry_run)
+        run = Run.open(str(recipe), run_dir, overrides, freeze=False)  # opened once: its recipe changes are logged once
+        _explain(run, recipe, overrides, stages, always=dry_run)
+        _check_upstream(run, stages)  # a dry run ends with the refusal the run would give
         if dry_run:
             return
-        _check_upstream(recipe, run_dir, overrides, stages)
         result = flow_fn(str(recipe), run_dir, overrides)
     except SmolflowError as err:
         _fail(err)

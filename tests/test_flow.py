@@ -261,6 +261,10 @@ def test_stage_on_an_empty_run_dir_says_what_to_run_first(tmp_path):
         cwd=REPO,
     )
     assert sft.returncode == 2 and "smolflow stage pretrain" in sft.stderr, sft.stderr
+    dry = subprocess.run([*sft.args, "--dry-run"], capture_output=True, text=True, cwd=REPO)
+    assert dry.returncode == 2 and dry.stderr == sft.stderr and "  run      sft" in dry.stdout, (
+        "the dry run plans, then refuses as the run does"
+    )
 
 
 @pytest.mark.slow

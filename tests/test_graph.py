@@ -131,6 +131,11 @@ def test_dry_run_names_the_changed_keys_and_runs_nothing(everything):
     assert {p: p.stat().st_mtime for p in run_dir.rglob("manifest.json")} == before
     frozen = json.loads((run_dir / "recipe.json").read_text())
     assert frozen["postrain"]["apo"]["beta"] == 0.1, "a dry run freezes nothing"
+    # one stage on an input the change made stale: its dry run plans it and ends with the refusal its run gives
+    out = subprocess.run([smolflow, "stage", "grpo", str(recipe), *args], capture_output=True, text=True, cwd=REPO)
+    assert "  rerun    grpo  (after apo)" in out.stdout and out.returncode == 2, out.stdout + out.stderr
+    assert "grpo needs step 'apo', whose output" in out.stderr and "out of date with the recipe (apo.beta: 0.1 -> 0.2)" in out.stderr
+    assert out.stderr.count("postrain.apo.beta changed") == 1, "the run dir is opened once: its recipe change is logged once"
 
 
 # modules allowed an import whose name is not a literal, each with what names it (checked by its own test)
@@ -328,7 +333,11 @@ def test_a_new_post_training_trainer_takes_three_files_and_reaches_every_part(tm
 
     run_dir = str(tmp_path / "run")
     assert "  run      toy" in run("run", "configs/micro.yaml", "--run-dir", run_dir, "--dry-run")
-    assert "  run      toy" in run("stage", "toy", "configs/micro.yaml", "--run-dir", run_dir, "--dry-run")
+    # the stage's dry run plans toy and ends with the refusal its run gives: nothing upstream is built yet
+    stage = subprocess.run(
+        [*smolflow, "stage", "toy", "configs/micro.yaml", "--run-dir", run_dir, "--dry-run"], cwd=copy, capture_output=True, text=True
+    )
+    assert "  run      toy" in stage.stdout and stage.returncode == 2 and "toy needs the output of step" in stage.stderr, stage.stderr
     assert "  toy: 1 rank(s)" in run("plan", "configs/micro.yaml")
     assert "entrypoint: flows/pipeline.py:toy_flow" in run("deployments")
     card = subprocess.run([sys.executable, "-c", FAKE_BUILD, run_dir], cwd=copy, capture_output=True, text=True)
