@@ -161,9 +161,12 @@ def plan_table(ablation: Ablation):
         f"{uses} steps in all runs, {distinct} distinct: sharing saves {uses - distinct} builds; {builds} to build now, "
         f"{distinct - builds} cached in {store}.",
     ]
-    saved, total = _pretraining_tokens(per_run, users)
+    distinct_tokens, now, total = _pretraining_tokens(per_run)
     if total:
-        lines.append(f"Pretraining tokens: {total - saved:,} to train instead of {total:,} for independent runs.")
+        lines.append(
+            f"Pretraining tokens: {distinct_tokens:,} in the distinct steps instead of {total:,} for independent runs; "
+            f"{now:,} of them to train now, the rest cached."
+        )
     return lines, per_run, users
 
 
@@ -194,19 +197,21 @@ def _noise_floor(ablation: Ablation, per_run, users) -> str:
     )
 
 
-def _pretraining_tokens(per_run, users) -> tuple[int, int]:
-    """(tokens sharing saves, tokens independent runs would train)."""
-    saved = total = 0
+def _pretraining_tokens(per_run) -> tuple[int, int, int]:
+    """(tokens of the distinct pretraining steps, those of them not cached, tokens independent runs would train)."""
+    distinct = now = total = 0
     seen = set()
-    for _, steps, ids, _ in per_run:
+    for _, steps, ids, state in per_run:
         for step in steps:
             if step.checkpoints:
                 train = step.config.train
                 tokens = train.schedule.steps * train.batch_size * train.seq_len
                 total += tokens
-                saved += tokens if (step.name, ids[step.name]) in seen else 0
+                if (step.name, ids[step.name]) not in seen:
+                    distinct += tokens
+                    now += tokens if state[step.name] != "cached" else 0
                 seen.add((step.name, ids[step.name]))
-    return saved, total
+    return distinct, now, total
 
 
 @flow(name="ablation")

@@ -4,6 +4,7 @@ run at once), a rerun builds nothing, and a report with intervals for every vari
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,8 @@ def test_dry_run_shows_what_is_shared_and_what_each_seed_builds(tmp_path):
     assert table["sft"] == ["build*", "shared*", "shared*", "shared*"]  # SFT is the same in every run
     assert table["apo"] == ["build", "build", "build", "build"]  # APO differs by variant and by seed
     assert any("64 steps in all runs, 19 distinct: sharing saves 45 builds" in line for line in explain(abl))
+    distinct, now, total = pretraining_tokens(explain(abl))
+    assert total == 4 * distinct and now == distinct > 0, "pretraining is shared by the 4 runs, and nothing is cached yet"
     floor = "Noise floor: measured from apo's 2 seeds (varying postrain.apo.seed); their own steps, built per seed: apo."
     assert explain(abl)[-1] == floor
 
@@ -158,6 +161,13 @@ def test_the_ladder_holds_only_where_a_rung_climbs_beyond_noise_in_every_run(tmp
     assert partial[1]["runs"]["seed2"] == "not trained yet" and not partial[1]["up_in_every_run"]
 
 
+def pretraining_tokens(lines: list[str]) -> tuple[int, ...]:
+    """The dry run's pretraining tokens: in the distinct steps, of them to train now, for independent runs."""
+    pattern = r"Pretraining tokens: ([\d,]+) in the distinct steps instead of ([\d,]+) for independent runs; ([\d,]+) of them"
+    distinct, total, now = next(m for line in lines if (m := re.match(pattern, line))).groups()
+    return tuple(int(n.replace(",", "")) for n in (distinct, now, total))
+
+
 def test_an_ablation_of_a_recipe_with_a_project_store_finds_what_a_plain_run_built(tmp_path):
     """`storage.store`: the demo and the ablations of its recipe share one store, so the dry run says `cached`
     for the steps the demo built (built here with stand-in functions, identities as in a real run)."""
@@ -178,6 +188,8 @@ def test_an_ablation_of_a_recipe_with_a_project_store_finds_what_a_plain_run_bui
     table = {line.split()[0]: line.split()[1:] for line in lines if line.split()}
     assert table["tokenize"] == ["cached*", "cached*"] and table["pretrain_long_context"] == ["cached*", "cached*"]
     assert table["sft"] == ["build", "build"] and any(f"cached in {tmp_path / 'steps'}" in line for line in lines)
+    distinct, now, total = pretraining_tokens(lines)
+    assert total == 2 * distinct > 0 and now == 0, "the plain run's pretraining is cached: nothing to train now"
     assert lines[-1].startswith("Noise floor: one seed of slow: for the pretrained model's tasks, the jitter of its last 4 checkpoints")
 
 
