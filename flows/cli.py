@@ -402,11 +402,19 @@ def eval_cmd(
     """Evaluate every checkpoint and model under SOURCE that has no results yet (what the scheduled-eval flow runs)."""
     from flows.pipeline import scheduled_eval_flow
 
+    if "://" not in source:  # a typo is named here, before a Prefect server starts (a schedule's flow just waits for its run)
+        _require_run_dirs([Path(source)])
     try:
         result = scheduled_eval_flow(source, str(recipe) if recipe else None)
     except SmolflowError as err:
         _fail(err)
     typer.echo(result)
+
+
+def _require_run_dirs(paths: list[Path]) -> None:
+    missing = [str(p) for p in paths if not (p / "recipe.json").is_file()]
+    if missing:
+        _fail(SmolflowError(f"not run dirs (no recipe.json): {', '.join(missing)}"))
 
 
 evals_app = typer.Typer(help="Checks of the evaluation results that runs hold.")
@@ -430,9 +438,7 @@ def evals_audit(
     from tasks.evaluation.audit import audit, audit_table
     from tasks.evaluation.report import eval_records
 
-    missing = [str(d) for d in run_dirs if not (d / "recipe.json").is_file()]
-    if missing:
-        _fail(SmolflowError(f"not run dirs (no recipe.json): {', '.join(missing)}"))
+    _require_run_dirs(run_dirs)
     try:
         audits = audit([eval_records(d, build_graph(source_recipe(str(d), None)).steps) for d in run_dirs])
     except SmolflowError as err:

@@ -106,6 +106,10 @@ def test_cli_help_and_clear_errors(tmp_path):
     assert "Traceback" not in out.stderr
     out = subprocess.run([*smolflow, "stage", "nonsense", str(bad)], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 2 and "unknown stage 'nonsense'; stages: curate" in out.stderr
+    for command in (["eval"], ["evals", "audit"]):  # a mistyped run dir is named, before a Prefect server starts
+        out = subprocess.run([*smolflow, *command, str(tmp_path / "runs" / "tinyy")], capture_output=True, text=True, cwd=REPO)
+        assert out.returncode == 2 and f"not run dirs (no recipe.json): {tmp_path / 'runs' / 'tinyy'}" in out.stderr, out.stderr
+        assert "temporary server" not in out.stdout + out.stderr
 
 
 @pytest.mark.slow
