@@ -272,6 +272,8 @@ def _record_wall_time(abl: Ablation, seconds: float) -> None:
 
 def report(abl: Ablation) -> Path:
     """The comparison report of the ablation as its run dirs hold it now."""
+    if not (abl.root / "ablation.json").is_file():
+        raise SmolflowError(f"{abl.root}: this ablation has not run yet: run `smolflow ablate {abl.path}` first")
     runs = [AblationRunDir(run.name, run.variant, abl.root / run.name, steps_of(abl, run)) for run in abl.runs]
     data = json.loads((abl.root / "ablation.json").read_text())
     select = abl.runs[0].recipe.evaluation.select  # variants share one evaluation

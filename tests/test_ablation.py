@@ -65,7 +65,7 @@ def test_a_bad_override_names_the_variant_and_the_key(tmp_path):
 
 
 def test_dry_run_shows_what_is_shared_and_what_each_seed_builds(tmp_path):
-    from flows.ablation import explain, open_ablation
+    from flows.ablation import explain, open_ablation, report
 
     abl = open_ablation(str(ablation_file(tmp_path, APO_VS_DPO, seeds=2)), str(tmp_path / "abl"))  # seed_key auto
     assert [r.name for r in abl.runs] == ["apo-seed0", "apo-seed1", "dpo-seed0", "dpo-seed1"]
@@ -79,6 +79,8 @@ def test_dry_run_shows_what_is_shared_and_what_each_seed_builds(tmp_path):
     assert total == 4 * distinct and now == distinct > 0, "pretraining is shared by the 4 runs, and nothing is cached yet"
     floor = "Noise floor: measured from apo's 2 seeds (varying postrain.apo.seed); their own steps, built per seed: apo."
     assert explain(abl)[-1] == floor
+    with pytest.raises(SmolflowError, match=r"this ablation has not run yet: run `smolflow ablate .*ablation.yaml` first"):
+        report(abl)  # `smolflow ablate --report` before any run
 
 
 def test_a_seed_study_varies_every_trainer_seed_together_and_shares_curation(tmp_path):
