@@ -16,12 +16,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
 
 from flows.graph import EVALUATE, STAGES, Graph, build_graph
 from infra.errors import SmolflowError
 from infra.procs import stop_on_signals
 from infra.recipe import Override, Recipe, load_recipe
-from infra.steps import RECIPE, RUNS, Run, Step, StepOutput, finished, frozen_recipe, require
+from infra.steps import RECIPE, RUNS, Run, Step, StepOutput, finished, frozen_recipe, out_of_date, require
 from infra.storage import filesystem
 from tasks import curate, postrain, pretrain
 from tasks import evaluate as ev
@@ -143,8 +144,19 @@ def run_stage(stage: str, recipe: str | None, run_dir: str | None, overrides: li
         order = [s.name for s in graph.steps]
         ours = [fn for reads, fn in STAGE_REPORTS if max(reads(graph), key=lambda s: order.index(s.name)).stage == stage]
         reports = [fn(run, graph, {**available, **out}) for fn in ours]
+        for status in [] if _subflow() else out_of_date(run.run_dir, graph.steps):  # built on what this stage replaced
+            run_logger().warning(
+                "%s is out of date now (%s): `smolflow stage %s` or `smolflow run` rebuilds it (`smolflow report` marks it on the card)",
+                status.step.name, status.why(), status.step.stage,
+            )  # fmt: skip
         last = out[steps[-1].name]
         return str(last.final if steps[-1].model else reports[-1] if reports else last.path)
+
+
+def _subflow() -> bool:
+    """Whether this flow run is a stage of another (the full pipeline's), which builds the later stages itself."""
+    ctx = FlowRunContext.get()
+    return ctx is not None and ctx.flow_run is not None and ctx.flow_run.parent_task_run_id is not None
 
 
 def _stage_flow(stage: str):

@@ -312,6 +312,10 @@ class Status:
     step_id: str | None = None
     fingerprints: dict[str, str] = field(default_factory=dict)  # what the id hashes besides the config
 
+    def why(self) -> str:
+        """The reason in a line: `reason`, else the config keys that changed."""
+        return self.reason or ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in self.changes) or "its config changed"
+
 
 def decide(run_dir: Path, step: Step, fingerprints: Mapping[str, str], mirror: Mirror | None = None, store: Path | None = None) -> Status:
     """The one decision for a step whose inputs have these FINGERPRINTS (`Step.fingerprints`): the build acts on it,
@@ -357,6 +361,12 @@ def statuses(run_dir: Path, steps: Iterable[Step], mirror: Mirror | None = None,
         current[step.name] = status.output
         out.append(status)
     return out
+
+
+def out_of_date(run_dir: Path, steps: Iterable[Step]) -> list[Status]:
+    """The finished steps the run links whose version is no longer the one its recipe would build (the same
+    decision, local store only): after one stage is rerun, the later steps built on what it replaced."""
+    return [s for s in statuses(run_dir, steps) if s.state != "cached" and read_manifest(Path(run_dir) / s.step.name)]
 
 
 def plan_ids(steps: Iterable[Step]) -> dict[str, str]:

@@ -18,7 +18,7 @@ import pytest
 
 from flows.graph import STAGES, build_graph
 from infra.recipe import EvalCfg, parse_recipe
-from infra.steps import identity, run_step
+from infra.steps import identity, out_of_date, run_step
 from tasks.evaluation.results import ModelRef, ResultStore, eval_key
 from tests.helpers import REPO, micro_recipe, write_recipe
 
@@ -285,6 +285,37 @@ def run_toy(model, rows, cfg, out, seed):
     shutil.copytree(model, out / "final")
     return {"rows": len(rows)}
 '''
+
+
+def test_a_stage_rebuilt_alone_leaves_the_later_steps_out_of_date_and_its_log_and_the_card_say_so(tmp_path, monkeypatch, caplog):
+    """`smolflow stage apo` with another beta: GRPO, still linked, was built on the APO model it replaced."""
+    import flows.pipeline as pipeline
+    from tasks.evaluation.report import build_report
+
+    run_dir = tmp_path / "run"
+    build_all(run_dir)
+    before = build_graph(parse_recipe(micro_recipe(), "micro"))
+    assert out_of_date(run_dir, before.steps) == [] and "Out of date" not in build_report(run_dir, "micro", before.steps).markdown
+    graph = build_graph(parse_recipe(micro_recipe(**{"postrain.apo.beta": 0.2}), "micro"))
+    assert [(s.step.name, s.why()) for s in out_of_date(run_dir, graph.steps)] == [("apo", "apo.beta: 0.1 -> 0.2"), ("grpo", "after apo")]
+
+    def recorded(run, stage, graph, available):  # the stage's steps with recording functions, decided as in a real run
+        built = dict(available)
+        for step in graph.stage(stage):
+            fake = dataclasses.replace(step, fn=lambda cfg, inputs, out: (out / "out.json").write_text("{}") and {})
+            built[step.name] = run.build(fake, {role: built[d.name] for role, d in step.deps.items()})
+        return {step.name: built[step.name] for step in graph.stage(stage)}
+
+    monkeypatch.setattr(pipeline, "run_steps", recorded)
+    recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe())
+    with caplog.at_level("WARNING", logger="smolflow"):
+        pipeline.run_stage("apo", str(recipe), str(run_dir), ["postrain.apo.beta=0.2"], evals=False)
+    assert [(s.step.name, s.why()) for s in out_of_date(run_dir, graph.steps)] == [("grpo", "inputs changed: policy")]
+    said = [r.getMessage() for r in caplog.records if "out of date now" in r.getMessage()]
+    assert said == [said[0]] and said[0].startswith("grpo is out of date now (inputs changed: policy): `smolflow stage grpo`")
+    card = build_report(run_dir, "micro", graph.steps).markdown
+    assert "**Out of date with the run's recipe:** grpo (inputs changed: policy). Their figures below" in card
+
 
 FAKE_BUILD = """
 import dataclasses, json, sys

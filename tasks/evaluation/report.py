@@ -15,7 +15,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from infra.steps import METRICS, Step, StepOutput, finished
+from infra.steps import METRICS, Step, StepOutput, finished, out_of_date
 from infra.summaries import ChatDataSummary, CurationSummary, HeldoutEval, PhaseSummary, TrainedSummary
 from postrain.data import sign_slips_note
 from tasks.evaluation.audit import BEYOND, audit, audit_table
@@ -45,7 +45,7 @@ def build_report(run_dir: Path, name: str, graph: list[Step]) -> Card:
     evals = eval_records(run_dir, graph)
     order = [s.checkpoints for s in graph if s.checkpoints] + [s.model for s in graph if s.model]
     lines = [f"# Report card: {name}", "", f"Run dir `{run_dir}`, built {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", ""]
-    lines += _summary(graph, steps, evals)
+    lines += _summary(run_dir, graph, steps, evals)
     lines += _curation([s for s in graph if issubclass(s.summary_type, CurationSummary)], steps)
     lines += _pretraining(run_dir, [s for s in graph if s.checkpoints], plots_dir, card)
     lines += _evaluations(evals, order, phase_ends([steps[s.name] for s in graph if s.checkpoints and s.name in steps]), plots_dir, card)
@@ -88,10 +88,18 @@ def _training_order(model: dict, order: list[str]) -> tuple:
     return (model["kind"] != "checkpoint", rank, model.get("step") or 0)
 
 
-def _summary(graph: list[Step], steps: dict[str, StepOutput], evals: list) -> list[str]:
+def _summary(run_dir: Path, graph: list[Step], steps: dict[str, StepOutput], evals: list) -> list[str]:
     total = sum(o.seconds for o in steps.values())
     done = f"**{len(steps)} of {len(graph)} steps finished** ({', '.join(steps) or 'none yet'})"
-    return [f"{done}, {total / 60:.1f} min of step time; {len(evals)} models evaluated.", ""]
+    lines = [f"{done}, {total / 60:.1f} min of step time; {len(evals)} models evaluated.", ""]
+    stale = [f"{s.step.name} ({s.why()})" for s in out_of_date(run_dir, graph)]
+    if stale:  # one stage rerun on its own leaves the later ones built on what it replaced
+        lines += [
+            f"**Out of date with the run's recipe:** {', '.join(stale)}. Their figures below are of the versions built "
+            f"before; `smolflow run RECIPE --run-dir {run_dir}` rebuilds them.",
+            "",
+        ]
+    return lines
 
 
 def _curation(curate: list[Step], steps: dict[str, StepOutput]) -> list[str]:
