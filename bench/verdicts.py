@@ -95,7 +95,7 @@ def score(items: Items) -> float:
 def judge(base: Items, other: Items, floor: float | None, lower: bool) -> str:
     """One seed against one seed, as an ablation with one seed per variant would judge, over FLOOR."""
     p = paired([base], [other])
-    return verdict(p.diff, p.ci95, floor, lower)
+    return verdict(p.diff, p.ci95, floor, lower, p.mcnemar_p)
 
 
 def seeds_floor(floor_from: list[Items]) -> float | None:
@@ -177,7 +177,7 @@ def main() -> None:
         floors = ", ".join(f"{k} seeds {noise_floor([score(r[task]) for r in runs[variants[0]]], k, k):.4f}" for k in (2, 3, 5, 8))
         print(
             f"{task}: {n} seeds vs {n}: {p.diff:+.4f} [{p.ci95[0]:+.4f}, {p.ci95[1]:+.4f}], noise floor {floor:.4f}: "
-            f"{verdict(p.diff, p.ci95, floor, lower)} (floor with k seeds per variant: {floors})"
+            f"{verdict(p.diff, p.ci95, floor, lower, p.mcnemar_p)} (floor with k seeds per variant: {floors})"
         )
     means = {v: {t: np.mean([score(r[t]) for r in runs[v]]) for t in TASKS} for v in variants}
     print("means: " + "; ".join(f"{v}: " + ", ".join(f"{t} {m:.4f}" for t, m in means[v].items()) for v in variants))

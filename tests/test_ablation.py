@@ -346,6 +346,13 @@ def test_a_paired_comparison_finds_a_planted_effect_the_unpaired_interval_misses
     # beyond 0 but no larger than two seeds of the baseline differ: no verdict
     assert verdict(found.diff, found.ci95, 0.05, lower_is_better=False) == "below the noise floor"
     assert paired([_right_or_wrong(base[:5])], [_right_or_wrong(better[:5])]) is None, "too few items in common"
+    few = base.copy()
+    few[np.flatnonzero(~base)[:5]] = True  # 5 answers made right, none wrong: the bootstrap leaves out 0, McNemar does not
+    small = paired([_right_or_wrong(base)], [_right_or_wrong(few)])
+    assert small.ci95[0] > 0 and small.mcnemar_p == pytest.approx(0.0625)
+    assert verdict(small.diff, small.ci95, None, False).startswith("better"), "the interval alone"
+    assert verdict(small.diff, small.ci95, None, False, small.mcnemar_p) == "within noise"
+    assert verdict(found.diff, found.ci95, None, False, found.mcnemar_p).startswith("better")
 
 
 def test_bits_per_byte_are_compared_over_the_same_documents_weighted_by_their_bytes():

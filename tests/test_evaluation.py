@@ -503,7 +503,7 @@ def test_report_card_from_a_run_dir(tmp_path):
 
     def manifest(name: str, summary: Summary, seconds: float) -> None:
         (run / name).mkdir(exist_ok=True)
-        record = {"name": name, "step_id": name[:3], "fingerprint": name, "seconds": seconds}
+        record = {"name": name, "step_id": name[:3], "fingerprint": name, "seconds": seconds, "config": {}, "inputs": {}}
         record |= {"summary": summary.model_dump(mode="json"), "summary_schema": summary.schema_name()}
         (run / name / "manifest.json").write_text(json.dumps(record))
 

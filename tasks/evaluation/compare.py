@@ -184,7 +184,7 @@ def _difference(row: Row, baseline: str, variant: str, diff: float, se, base_se,
         out |= {"diff": round(p.diff, 4), "ci95": [round(x, 4) for x in p.ci95], "unpaired_ci95": [round(x, 4) for x in p.unpaired_ci95]}
         out |= {"method": f"paired, {p.items} items", "mde": round(p.mde, 4)}
         out["mcnemar_p"] = None if p.mcnemar_p is None else round(p.mcnemar_p, 4)
-        return out | {"verdict": verdict(p.diff, p.ci95, floor, lower)}
+        return out | {"verdict": verdict(p.diff, p.ci95, floor, lower, p.mcnemar_p)}
     if se is None or base_se is None:
         return out | {"verdict": "no error estimate"}
     half = 1.96 * math.sqrt(se * se + base_se * base_se)

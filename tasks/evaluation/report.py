@@ -267,7 +267,7 @@ def rung_change(below: HeldoutEval | None, e: HeldoutEval) -> tuple[Paired, str]
     p = paired([items_of(below.outcomes)], [items_of(e.outcomes)])
     if p is None:
         return None
-    said = verdict(p.diff, p.ci95, None, lower_is_better=False).replace("better", "up").replace("worse", "down")
+    said = verdict(p.diff, p.ci95, None, lower_is_better=False, mcnemar_p=p.mcnemar_p).replace("better", "up").replace("worse", "down")
     return p, said.split(" (")[0]
 
 

@@ -114,9 +114,11 @@ def checkpoint_floor(x: list[float], y: list[float]) -> float:
     return float(stats.t.ppf(0.975, len(y) - 2) * jitter(x, y) * np.sqrt(2))
 
 
-def verdict(diff: float, ci95: tuple[float, float], floor: float | None, lower_is_better: bool) -> str:
-    """better / worse only when the interval excludes 0 and the difference exceeds the noise floor."""
-    if ci95[0] <= 0 <= ci95[1]:
+def verdict(diff: float, ci95: tuple[float, float], floor: float | None, lower_is_better: bool, mcnemar_p: float | None = None) -> str:
+    """better / worse only when the interval excludes 0 and the difference exceeds the noise floor; for right/wrong
+    answers McNemar's exact test must agree at 5% too: with few answers changed, the percentile bootstrap's interval
+    can leave out 0 where the exact test does not (5 answers made right and none wrong on 400: p = 0.06)."""
+    if ci95[0] <= 0 <= ci95[1] or (mcnemar_p is not None and mcnemar_p >= 0.05):
         return "within noise"
     if floor is not None and abs(diff) <= floor:
         return "below the noise floor"
