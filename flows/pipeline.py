@@ -146,8 +146,9 @@ def run_stage(stage: str, recipe: str | None, run_dir: str | None, overrides: li
         reports = [fn(run, graph, {**available, **out}) for fn in ours]
         for status in [] if _subflow() else out_of_date(run.run_dir, graph.steps):  # built on what this stage replaced
             run_logger().warning(
-                "%s is out of date now (%s): `smolflow stage %s` or `smolflow run` rebuilds it (`smolflow report` marks it on the card)",
-                status.step.name, status.why(), status.step.stage,
+                "%s is out of date now (%s): `smolflow run %s --run-dir %s` rebuilds it on the run's recipe "
+                "(`smolflow report` marks it on the card)",
+                status.step.name, status.why(), run.run_dir / RECIPE, run.run_dir,
             )  # fmt: skip
         last = out[steps[-1].name]
         return str(last.final if steps[-1].model else reports[-1] if reports else last.path)

@@ -312,7 +312,8 @@ def test_a_stage_rebuilt_alone_leaves_the_later_steps_out_of_date_and_its_log_an
         pipeline.run_stage("apo", str(recipe), str(run_dir), ["postrain.apo.beta=0.2"], evals=False)
     assert [(s.step.name, s.why()) for s in out_of_date(run_dir, graph.steps)] == [("grpo", "inputs changed: policy")]
     said = [r.getMessage() for r in caplog.records if "out of date now" in r.getMessage()]
-    assert said == [said[0]] and said[0].startswith("grpo is out of date now (inputs changed: policy): `smolflow stage grpo`")
+    rebuild = f"`smolflow run {run_dir / 'recipe.json'} --run-dir {run_dir}`"
+    assert said == [said[0]] and said[0].startswith(f"grpo is out of date now (inputs changed: policy): {rebuild}")
     card = build_report(run_dir, "micro", graph.steps).markdown
     assert "**Out of date with the run's recipe:** grpo (inputs changed: policy). Their figures below" in card
 
