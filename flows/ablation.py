@@ -142,19 +142,22 @@ def plan_table(ablation: Ablation):
         names += [s.name for s in steps if s.name not in names]
         for step in steps:
             users.setdefault((step.name, ids[step.name]), []).append(run.name)
-    width = max(9, *(len(r.name) for r in ablation.runs)) + 2
-    lines = [f"{'step':<24}" + "".join(f"{r.name:<{width}}" for r in ablation.runs)]
     seen: set[tuple[str, str]] = set()
-    cells: dict[str, list[str]] = {n: [] for n in names}
+    columns: list[list[str]] = []  # per run, its cell of each step in `names`
     builds = 0
     for _, steps, ids, state in per_run:
+        column = dict.fromkeys(names, "")
         for step in steps:
             key = (step.name, ids[step.name])
             cell = "cached" if state[step.name] == "cached" else "shared" if key in seen else "build"
             builds += cell == "build"
             seen.add(key)
-            cells[step.name].append(cell + ("*" if len(users[key]) > 1 else ""))
-    lines += [f"{n:<24}" + "".join(f"{c:<{width}}" for c in cells[n]) for n in names]
+            column[step.name] = cell + ("*" if len(users[key]) > 1 else "")
+        columns.append(list(column.values()))
+    heads, cols = _grouped([r.name for r in ablation.runs], columns)
+    widths = [max(9, len(h)) + 2 for h in heads]
+    lines = [(f"{'step':<24}" + "".join(f"{h:<{w}}" for h, w in zip(heads, widths))).rstrip()]
+    lines += [(f"{n:<24}" + "".join(f"{c[i]:<{w}}" for c, w in zip(cols, widths))).rstrip() for i, n in enumerate(names)]
     uses, distinct = sum(len(u) for u in users.values()), len(users)
     lines += [
         "(* the step is the same in several runs: built once, linked into each)",
@@ -163,11 +166,34 @@ def plan_table(ablation: Ablation):
     ]
     distinct_tokens, now, total = _pretraining_tokens(per_run)
     if total:
-        lines.append(
-            f"Pretraining tokens: {distinct_tokens:,} in the distinct steps instead of {total:,} for independent runs; "
-            f"{now:,} of them to train now, the rest cached."
+        shared = (
+            f"{distinct_tokens:,} in the distinct steps instead of {total:,} for independent runs"
+            if distinct_tokens < total
+            else f"{total:,} (the runs share no pretraining step)"
         )
+        todo = "all to train now" if now == distinct_tokens else f"{now:,} of them to train now, the rest cached" if now else "all cached"
+        lines.append(f"Pretraining tokens: {shared}; {todo}.")
     return lines, per_run, users
+
+
+def _grouped(names: list[str], columns: list[list[str]]) -> tuple[list[str], list[list[str]]]:
+    """Three or more neighbouring runs that do the same with every step share one column, headed `first..last (n)`:
+    a swarm's 32 proxies fit a terminal."""
+    heads: list[str] = []
+    cols: list[list[str]] = []
+    i = 0
+    while i < len(names):
+        j = i
+        while j + 1 < len(names) and columns[j + 1] == columns[i]:
+            j += 1
+        if j - i >= 2:
+            heads.append(f"{names[i]}..{names[j]} ({j - i + 1})")
+            cols.append(columns[i])
+        else:
+            heads += names[i : j + 1]
+            cols += columns[i : j + 1]
+        i = j + 1
+    return heads, cols
 
 
 def _noise_floor(ablation: Ablation, per_run, users) -> str:

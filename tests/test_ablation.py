@@ -71,7 +71,9 @@ def test_dry_run_shows_what_is_shared_and_what_each_seed_builds(tmp_path):
     assert [r.name for r in abl.runs] == ["apo-seed0", "apo-seed1", "dpo-seed0", "dpo-seed1"]
     assert abl.runs[1].overrides[-1] == "postrain.apo.seed=1235"
     assert [r.seed for r in abl.runs] == [1234, 1235, 1234, 1235]  # unset per-step seed: the recipe's, then +1
-    table = {line.split()[0]: line.split()[1:] for line in explain(abl) if line.split() and line.split()[0] in ("sft", "apo")}
+    lines = explain(abl)
+    assert "apo-seed1..dpo-seed1 (3)" in next(line for line in lines if line.startswith("step ")), "like runs share a column"
+    table = plan_cells(lines)
     assert table["sft"] == ["build*", "shared*", "shared*", "shared*"]  # SFT is the same in every run
     assert table["apo"] == ["build", "build", "build", "build"]  # APO differs by variant and by seed
     assert any("64 steps in all runs, 19 distinct: sharing saves 45 builds" in line for line in explain(abl))
@@ -93,7 +95,7 @@ def test_a_seed_study_varies_every_trainer_seed_together_and_shares_curation(tmp
     assert [r.name for r in abl.runs] == ["tiny-seed0", "tiny-seed1"]
     assert abl.runs[1].overrides == ("pretrain.seed=1235", "postrain.sft.seed=1235", "postrain.apo.seed=1235")
     assert [abl.runs[1].recipe.postrain.sft.seed, abl.runs[1].recipe.pretrain.seed] == [1235, 1235]
-    table = {line.split()[0]: line.split()[1:] for line in explain(abl) if line.split()}
+    table = plan_cells(explain(abl))
     assert table["tokenize"] == ["build*", "shared*"] and table["chat_data"] == ["build*", "shared*"]
     assert table["pretrain_phase1"] == ["build", "build"] and table["sft"] == ["build", "build"]
     one = ablation_file(tmp_path, [{"name": "tiny"}], "one.yaml")
@@ -112,7 +114,7 @@ def test_seed_key_auto_repeats_the_trained_steps_the_variants_build_apart_and_no
 
     def keys(variants, file, **extra):
         abl = open_ablation(str(ablation_file(tmp_path, variants, file, seeds=2, **extra)), str(tmp_path / file))
-        table = {line.split()[0]: line.split()[1:] for line in explain(abl) if line.split()}
+        table = plan_cells(explain(abl))
         assert set(table["tokenize"]) == {"build*", "shared*"}, file  # curation is built once for every run
         return abl.cfg.seed_keys
 
@@ -165,9 +167,21 @@ def test_the_ladder_holds_only_where_a_rung_climbs_beyond_noise_in_every_run(tmp
 
 def pretraining_tokens(lines: list[str]) -> tuple[int, ...]:
     """The dry run's pretraining tokens: in the distinct steps, of them to train now, for independent runs."""
-    pattern = r"Pretraining tokens: ([\d,]+) in the distinct steps instead of ([\d,]+) for independent runs; ([\d,]+) of them"
-    distinct, total, now = next(m for line in lines if (m := re.match(pattern, line))).groups()
-    return tuple(int(n.replace(",", "")) for n in (distinct, now, total))
+    line = next(line for line in lines if line.startswith("Pretraining tokens: "))
+    shared = r"([\d,]+) (?:in the distinct steps instead of ([\d,]+) for independent runs|\(the runs share no pretraining step\))"
+    todo = r"(all cached|all to train now|([\d,]+) of them to train now, the rest cached)"
+    distinct, total, said, now = re.fullmatch(f"Pretraining tokens: {shared}; {todo}.", line).groups()
+    number = lambda n: int(n.replace(",", ""))  # noqa: E731
+    now = number(now) if now else 0 if said == "all cached" else number(distinct)
+    return number(distinct), now, number(total or distinct)
+
+
+def plan_cells(lines: list[str]) -> dict[str, list[str]]:
+    """The dry run's table as step -> one cell per run; a column headed `first..last (n)` stands for n runs."""
+    start = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    end = next(i for i, line in enumerate(lines) if line.startswith("(* "))
+    counts = [int(m.group(1)) if (m := re.search(r"\.\.\S+ \((\d+)\)$", h)) else 1 for h in re.split(r"\s{2,}", lines[start].strip())[1:]]
+    return {r[0]: [c for c, n in zip(r[1:], counts) for _ in range(n)] for r in map(str.split, lines[start + 1 : end])}
 
 
 def test_an_ablation_of_a_recipe_with_a_project_store_finds_what_a_plain_run_built(tmp_path):
@@ -187,7 +201,7 @@ def test_an_ablation_of_a_recipe_with_a_project_store_finds_what_a_plain_run_bui
     spec = {"name": "lr", "base": base.name, "until": "sft", "variants": SFT_LR}
     (tmp_path / "lr.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     lines = explain(open_ablation(str(tmp_path / "lr.yaml"), str(tmp_path / "abl")))
-    table = {line.split()[0]: line.split()[1:] for line in lines if line.split()}
+    table = plan_cells(lines)
     assert table["tokenize"] == ["cached*", "cached*"] and table["pretrain_long_context"] == ["cached*", "cached*"]
     assert table["sft"] == ["build", "build"] and any(f"cached in {tmp_path / 'steps'}" in line for line in lines)
     distinct, now, total = pretraining_tokens(lines)
