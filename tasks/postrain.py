@@ -37,7 +37,7 @@ from tasks.common import run_logger, stage_task, tracking_env, tracking_project
 from tasks.curate import eval_set_fingerprint
 from tasks.curation.corpus import read_eval_questions
 from tasks.evaluation.plots import artifact
-from tasks.evaluation.report import falls, ladder, ladder_plot, ladder_table
+from tasks.evaluation.report import falls, ladder, ladder_plot, ladder_table, trained_apart
 
 Inputs = Mapping[str, StepOutput]
 
@@ -215,7 +215,7 @@ def preference(cfg: PreferenceStepCfg, inputs: PreferenceInputs, out: Path) -> P
 @stage_task("postrain-report", retries=1)
 def report(run_dir: Path, name: str, models: list[tuple[str, StepOutput]], pairs: StepOutput, steps: list[StepOutput]) -> Path:
     """The post-training ladder: base -> SFT -> APO -> GRPO, accuracy and answer length."""
-    rungs = ladder(models)
+    rungs, apart = ladder(models), trained_apart(models)
     rows = [
         {
             "model": label,
@@ -227,8 +227,8 @@ def report(run_dir: Path, name: str, models: list[tuple[str, StepOutput]], pairs
     ]
     path = run_dir / "reports" / "postrain.md"
     ladder_plot(rungs, path.parent / "plots" / "ladder.png")
-    lines = ["# Post-training", "", "![ladder](plots/ladder.png)", "", *ladder_table(rungs)]
-    if fell := falls(rungs):
+    lines = ["# Post-training", "", "![ladder](plots/ladder.png)", "", *ladder_table(rungs, apart=apart)]
+    if fell := falls(rungs, apart):
         run_logger().warning("post-training ladder: %s", fell)
     lines += ["", f"Preference pairs: {pairs.summary.model_dump_json()}", "", "| step | step id | seconds to build |", "|---|---|---|"]
     # no "cached" column: the earlier stages' steps are read back from the run dir even when this run built them

@@ -559,6 +559,14 @@ def test_report_card_from_a_run_dir(tmp_path):
     with pytest.raises(SmolflowError, match="links plots/pretrain.png, which is not there"):
         inline(card.markdown, card.path.parent)
 
+    # SFT rebuilt alone: the APO the run links was trained from the SFT it replaced. Not parent and child: no verdict
+    record = json.loads((run / "apo" / "manifest.json").read_text())
+    (run / "apo" / "manifest.json").write_text(json.dumps(record | {"lineage": [["sft", "old"]]}))
+    text = build_report(run, recipe.name, graph.steps).markdown
+    assert "| 19.0 | not compared: trained from another sft (out of date) |" in text and "falls" not in text
+    (run / "apo" / "manifest.json").write_text(json.dumps(record | {"lineage": [["sft", "sft"]]}))  # trained from it
+    assert "McNemar p=0.5: within noise |" in build_report(run, recipe.name, graph.steps).markdown
+
 
 def test_a_task_without_documents_is_skipped_with_a_warning(tmp_path, heldout, caplog):
     empty = tmp_path / "heldout"

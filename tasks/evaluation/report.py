@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -227,30 +228,51 @@ def ladder(models: list[tuple[str, StepOutput]]) -> list[tuple[str, HeldoutEval]
     return rungs
 
 
-def falls(rungs: list[tuple[str, HeldoutEval]]) -> str | None:
-    """Each rung under the one below it, in words: a stage that costs accuracy must not hide in a table of figures."""
+def trained_apart(models: list[tuple[str, StepOutput]]) -> set[str]:
+    """The rungs not trained from the version of the rung below that the run links (their lineage names another):
+    after one stage is rebuilt alone, the later ones were trained from what it replaced, and the two are not parent
+    and child. A manifest from before lineage was kept says nothing, and is compared."""
+    apart, below = set(), None
+    for label, out in models:
+        if isinstance(out.summary, TrainedSummary):
+            if below is not None and out.lineage.get(below.name, below.step_id) != below.step_id:
+                apart.add(label)
+            below = out
+    return apart
+
+
+def falls(rungs: list[tuple[str, HeldoutEval]], apart: Collection[str] = ()) -> str | None:
+    """Each rung under the one below it, in words: a stage that costs accuracy must not hide in a table of figures.
+    APART (`trained_apart`): rungs not trained from the one below, whose difference says nothing of a stage."""
     under = [
         f"{name} is {100 * (below.accuracy - e.accuracy):.1f} points under {below_name}"
         for (below_name, below), (name, e) in zip(rungs, rungs[1:])
-        if e.accuracy < below.accuracy
+        if e.accuracy < below.accuracy and name not in apart
     ]
     return f"Held-out accuracy falls: {'; '.join(under)}." if under else None
 
 
-def ladder_table(rungs: list[tuple[str, HeldoutEval]], generative: dict[str, float] | None = None) -> list[str]:
+def ladder_table(
+    rungs: list[tuple[str, HeldoutEval]], generative: dict[str, float] | None = None, apart: Collection[str] = ()
+) -> list[str]:
     """The post-training ladder as a table, the one renderer of it (report card, post-training report): held-out
     accuracy overall and by family, lm-eval's math exact match where scored (GENERATIVE), answer length, each rung
-    against the one below on the same prompts (paired); then any fall."""
+    against the one below on the same prompts (paired) unless it was trained apart from it (APART); then any fall."""
     generative = generative or {}
     rows = ["| model | held-out accuracy | by family | lm-eval math | mean answer tokens | vs the rung below (paired) |"]
     rows.append("|---|---|---|---|---|---|")
-    below: HeldoutEval | None = None
+    below: tuple[str, HeldoutEval] | None = None
     for n, e in rungs:
         family = ", ".join(f"{k} {v:.1%}" for k, v in e.by_family.items())
         math_em = f"{generative[n]:.1%}" if n in generative else ""
-        rows.append(f"| {n} | {e.accuracy:.1%} | {family} | {math_em} | {e.mean_answer_tokens:.1f} | {rung_step(below, e)} |")
-        below = e
-    if fell := falls(rungs):
+        vs = (
+            f"not compared: trained from another {below[0]} (out of date)"
+            if n in apart and below
+            else rung_step(below[1] if below else None, e)
+        )
+        rows.append(f"| {n} | {e.accuracy:.1%} | {family} | {math_em} | {e.mean_answer_tokens:.1f} | {vs} |")
+        below = (n, e)
+    if fell := falls(rungs, apart):
         rows += ["", f"**{fell}**"]
     if any(e.outcomes for _, e in rungs):
         note = "Paired: over the prompts both rungs answered, 95% bootstrap interval and McNemar's p (one pipeline seed: no noise floor;"
@@ -315,7 +337,7 @@ def _post_training(models: list[tuple[str, StepOutput]], evals: list, plots_dir:
             gen[record["model"]["label"]] = sum(scores) / len(scores)
     path = ladder_plot(rungs, plots_dir / "postrain.png", gen)
     card.plots.append(path)
-    rows = ladder_table(rungs, gen)
+    rows = ladder_table(rungs, gen, trained_apart(models))
     for note in notes:
         rows += ["", note]
     return ["## Post-training ladder", "", f"![ladder]({path.relative_to(card.path.parent)})", "", *rows, ""]
