@@ -13,7 +13,8 @@ from infra.env import apply_offline_defaults
 from infra.errors import SmolflowError
 
 if TYPE_CHECKING:  # the CLI imports the step machinery only in the commands that use it
-    from infra.steps import Run
+    from flows.graph import Graph
+    from infra.steps import Run, Status
 
 apply_offline_defaults()
 
@@ -155,23 +156,22 @@ def _memory(mem: dict[str, float]) -> str:
     return f"{mem['total'] / GiB:7.1f} GiB ({parts})"
 
 
-def _explain(run: Run, recipe: Path, overrides: list[str], stages: list[str], always: bool) -> None:
+def _explain(run: Run, graph: Graph, recipe: Path, overrides: list[str], stages: list[str], always: bool) -> list[Status] | None:
     """Print what running `stages` would do in the run dir: recipe changes against the frozen recipe, then
     each step as cached / pull / resume / run / rerun with the config keys that changed (the build's own
-    decision, mirror included); only when the recipe changed, unless `always`."""
-    from flows.graph import build_graph
+    decision, mirror included); only when the recipe changed, unless `always`. Returns every step's decision."""
     from infra.recipe import operational_key
 
     if not always and not run.changes:
-        return
-    graph = build_graph(run.recipe)
+        return None
+    decided = run.statuses(graph.steps)
     typer.echo(f"{run.run_dir}: {recipe}" + (f" with {' '.join(overrides)}" if overrides else ""))
     if run.changes:
         typer.echo(f"recipe changes against the frozen {run.run_dir / 'recipe.json'}:")
         for key, old, new in run.changes:
             note = "   (operational: reruns nothing)" if operational_key(key) else ""
             typer.echo(f"  {key}: {old!r} -> {new!r}{note}")
-    chosen = [s for s in run.statuses(graph.steps) if s.step.stage in stages]
+    chosen = [s for s in decided if s.step.stage in stages]
     typer.echo(f"steps (store {run.store}):")
     for status in chosen:
         why = f"  ({status.reason})" if status.reason else ""
@@ -180,25 +180,22 @@ def _explain(run: Run, recipe: Path, overrides: list[str], stages: list[str], al
             typer.echo(f"             {key}: {old!r} -> {new!r}")
     runs = sum(s.state != "cached" for s in chosen)
     typer.echo(f"{runs} of {len(chosen)} steps would run; {len(chosen) - runs} cached.")
-
-
-def _check_upstream(run: Run, stages: list[str]) -> None:
-    """A stage whose inputs from earlier stages are missing fails here, in seconds, not in a flow run after a Prefect
-    server start: the same decision the stage flow makes (cached, or pulled from the mirror), without pulling."""
-    from flows.graph import build_graph
-    from flows.pipeline import upstream
-
-    upstream(run, build_graph(run.recipe), stages, obtain=False)
+    return decided
 
 
 def _run_flow(flow_fn, recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str], dry_run: bool) -> None:
+    from flows.graph import build_graph
+    from flows.pipeline import upstream
     from infra.steps import Run
 
     try:
         _resolve(recipe, overrides)  # fail fast, before a Prefect server is started
         run = Run.open(str(recipe), run_dir, overrides, freeze=False)  # opened once: its recipe changes are logged once
-        _explain(run, recipe, overrides, stages, always=dry_run)
-        _check_upstream(run, stages)  # a dry run ends with the refusal the run would give
+        graph = build_graph(run.recipe)
+        decided = _explain(run, graph, recipe, overrides, stages, always=dry_run)
+        # inputs from earlier stages missing: refused here, in seconds, not in a flow run after a Prefect server start;
+        # the stage flow's own decision (cached, or pulled from the mirror), without pulling; a dry run ends with it
+        upstream(run, graph, stages, obtain=False, decided=decided)
         if dry_run:
             return
         result = flow_fn(str(recipe), run_dir, overrides)

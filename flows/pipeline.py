@@ -22,7 +22,7 @@ from flows.graph import EVALUATE, STAGES, Graph, build_graph
 from infra.errors import SmolflowError
 from infra.procs import stop_on_signals
 from infra.recipe import Override, Recipe, load_recipe
-from infra.steps import RECIPE, RUNS, Run, Step, StepOutput, finished, frozen_recipe, out_of_date, require
+from infra.steps import RECIPE, RUNS, Run, Status, Step, StepOutput, finished, frozen_recipe, out_of_date, require
 from infra.storage import filesystem
 from tasks import curate, postrain, pretrain
 from tasks import evaluate as ev
@@ -51,12 +51,12 @@ def upstream_steps(graph: Graph, stages: list[str]) -> dict[str, Step]:
     return {d.name: d for s in graph.steps if s.stage in stages for d in s.deps.values() if d.stage not in stages}
 
 
-def upstream(run: Run, graph: Graph, stages: list[str], obtain: bool = True) -> dict[str, StepOutput]:
+def upstream(run: Run, graph: Graph, stages: list[str], obtain: bool = True, decided: list[Status] | None = None) -> dict[str, StepOutput]:
     """The outputs that `stages` read from other stages, each current with the recipe (in the store, or pulled
     from the mirror when OBTAIN), or UpstreamMissing naming the stage to run first. Decided as a build
-    decides (infra/steps.py `decide`), before a stage starts anything."""
+    decides (infra/steps.py `decide`), before a stage starts anything; DECIDED: the graph's statuses, if known."""
     deps = upstream_steps(graph, stages)
-    known = {s.step.name: s for s in run.statuses(graph.steps)} if deps else {}
+    known = {s.step.name: s for s in (decided if decided is not None else run.statuses(graph.steps))} if deps else {}
     for name in deps:
         require(run.run_dir, known[name], needed_by=" and ".join(stages))
     return {name: run.obtain(known[name]) for name in deps} if obtain else {}
