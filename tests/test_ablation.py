@@ -14,7 +14,7 @@ import yaml
 
 from infra.errors import SmolflowError
 from infra.recipe import RecipeError
-from tests.helpers import REPO, built, built_folders, micro_recipe, write_recipe
+from tests.helpers import REPO, built, built_folders, micro_recipe, stand_in, write_recipe
 
 # post-training small enough for a test; checkpoints evaluated on one cloze task, models on one generative one
 FAST = {
@@ -187,7 +187,6 @@ def plan_cells(lines: list[str]) -> dict[str, list[str]]:
 def test_an_ablation_of_a_recipe_with_a_project_store_finds_what_a_plain_run_built(tmp_path):
     """`storage.store`: the demo and the ablations of its recipe share one store, so the dry run says `cached`
     for the steps the demo built (built here with stand-in functions, identities as in a real run)."""
-    import dataclasses
 
     from flows.ablation import explain, open_ablation
     from flows.graph import build_graph
@@ -196,8 +195,7 @@ def test_an_ablation_of_a_recipe_with_a_project_store_finds_what_a_plain_run_bui
     base = write_recipe(tmp_path / "micro.yaml", micro_recipe(**FAST, **{"storage.store": str(tmp_path / "steps")}))
     run, outputs = Run.open(str(base), str(tmp_path / "micro")), {}
     for step in [s for s in build_graph(run.recipe).steps if s.stage in ("curate", "pretrain")]:
-        fake = dataclasses.replace(step, fn=lambda cfg, inputs, out: (out / "out.txt").write_text("x") and {})
-        outputs[step.name] = run.build(fake, {role: outputs[d.name] for role, d in step.deps.items()})
+        outputs[step.name] = run.build(stand_in(step), {role: outputs[d.name] for role, d in step.deps.items()})
     spec = {"name": "lr", "base": base.name, "until": "sft", "variants": SFT_LR}
     (tmp_path / "lr.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     lines = explain(open_ablation(str(tmp_path / "lr.yaml"), str(tmp_path / "abl")))

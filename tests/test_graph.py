@@ -20,7 +20,7 @@ from flows.graph import STAGES, build_graph
 from infra.recipe import EvalCfg, parse_recipe
 from infra.steps import identity, out_of_date, run_step
 from tasks.evaluation.results import ModelRef, ResultStore, eval_key
-from tests.helpers import REPO, micro_recipe, write_recipe
+from tests.helpers import REPO, micro_recipe, stand_in, write_recipe
 
 
 def build_all(run_dir: Path, **changes) -> list[str]:
@@ -302,8 +302,7 @@ def test_a_stage_rebuilt_alone_leaves_the_later_steps_out_of_date_and_its_log_an
     def recorded(run, stage, graph, available):  # the stage's steps with recording functions, decided as in a real run
         built = dict(available)
         for step in graph.stage(stage):
-            fake = dataclasses.replace(step, fn=lambda cfg, inputs, out: (out / "out.json").write_text("{}") and {})
-            built[step.name] = run.build(fake, {role: built[d.name] for role, d in step.deps.items()})
+            built[step.name] = run.build(stand_in(step), {role: built[d.name] for role, d in step.deps.items()})
         return {step.name: built[step.name] for step in graph.stage(stage)}
 
     monkeypatch.setattr(pipeline, "run_steps", recorded)
@@ -319,18 +318,18 @@ def test_a_stage_rebuilt_alone_leaves_the_later_steps_out_of_date_and_its_log_an
 
 
 FAKE_BUILD = """
-import dataclasses, json, sys
+import sys
 from pathlib import Path
 from flows.graph import build_graph
 from infra.recipe import load_recipe
 from infra.steps import run_step
 from tasks.evaluation.report import build_report
+from tests.helpers import stand_in
 
 graph = build_graph(load_recipe("configs/micro.yaml"))
 outputs, run_dir = {}, Path(sys.argv[1])
 for step in graph.steps:
-    fake = dataclasses.replace(step, fn=lambda cfg, inputs, out: (out / "out.json").write_text("{}") and {})
-    outputs[step.name] = run_step(run_dir, fake, {role: outputs[d.name] for role, d in step.deps.items()})
+    outputs[step.name] = run_step(run_dir, stand_in(step), {role: outputs[d.name] for role, d in step.deps.items()})
 print(build_report(run_dir, "micro", graph.steps).markdown)
 """
 
