@@ -22,7 +22,7 @@ from flows.graph import EVALUATE, STAGES, Graph, build_graph
 from infra.errors import SmolflowError
 from infra.procs import stop_on_signals
 from infra.recipe import Override, Recipe, load_recipe
-from infra.steps import RECIPE, RUNS, Run, Status, Step, StepOutput, finished, frozen_recipe, out_of_date, require
+from infra.steps import RECIPE, RUNS, Run, Status, Step, StepOutput, finished, frozen_recipe, out_of_date, rebuild_command, require
 from infra.storage import filesystem
 from tasks import curate, postrain, pretrain
 from tasks import evaluate as ev
@@ -146,9 +146,8 @@ def run_stage(stage: str, recipe: str | None, run_dir: str | None, overrides: li
         reports = [fn(run, graph, {**available, **out}) for fn in ours]
         for status in [] if _subflow() else out_of_date(run.run_dir, graph.steps):  # built on what this stage replaced
             run_logger().warning(
-                "%s is out of date now (%s): `smolflow run %s --run-dir %s` rebuilds it on the run's recipe "
-                "(`smolflow report` marks it on the card)",
-                status.step.name, status.why(), run.run_dir / RECIPE, run.run_dir,
+                "%s is out of date now (%s): `%s` rebuilds it on the run's recipe (`smolflow report` marks it on the card)",
+                status.step.name, status.why(), rebuild_command(run.run_dir),
             )  # fmt: skip
         last = out[steps[-1].name]
         return str(last.final if steps[-1].model else reports[-1] if reports else last.path)

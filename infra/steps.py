@@ -369,6 +369,11 @@ def out_of_date(run_dir: Path, steps: Iterable[Step]) -> list[Status]:
     return [s for s in statuses(run_dir, steps) if s.state != "cached" and read_manifest(Path(run_dir) / s.step.name)]
 
 
+def rebuild_command(run_dir: Path) -> str:
+    """The command that rebuilds a run's `out_of_date` steps on the recipe the run froze."""
+    return f"smolflow run {Path(run_dir) / RECIPE} --run-dir {run_dir}"
+
+
 def plan_ids(steps: Iterable[Step]) -> dict[str, str]:
     """An id per step from configs alone, upstream plan ids standing in for content fingerprints (in DAG
     order). Steps of two runs with equal plan ids receive the same inputs once built, so they get the

@@ -315,6 +315,7 @@ def test_a_stage_rebuilt_alone_leaves_the_later_steps_out_of_date_and_its_log_an
     assert said == [said[0]] and said[0].startswith(f"grpo is out of date now (inputs changed: policy): {rebuild}")
     card = build_report(run_dir, "micro", graph.steps).markdown
     assert "**Out of date with the run's recipe:** grpo (inputs changed: policy). Their figures below" in card
+    assert f"{rebuild} rebuilds them on that recipe." in card
 
 
 FAKE_BUILD = """

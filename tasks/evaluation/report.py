@@ -16,7 +16,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from infra.steps import METRICS, RECIPE, Step, StepOutput, finished, out_of_date
+from infra.steps import METRICS, Step, StepOutput, finished, out_of_date, rebuild_command
 from infra.summaries import ChatDataSummary, CurationSummary, HeldoutEval, PhaseSummary, TrainedSummary
 from postrain.data import sign_slips_note
 from tasks.evaluation.audit import BEYOND, audit, audit_table
@@ -97,7 +97,7 @@ def _summary(run_dir: Path, graph: list[Step], steps: dict[str, StepOutput], eva
     if stale:  # one stage rerun on its own leaves the later ones built on what it replaced
         lines += [
             f"**Out of date with the run's recipe:** {', '.join(stale)}. Their figures below are of the versions built "
-            f"before; `smolflow run {Path(run_dir) / RECIPE} --run-dir {run_dir}` rebuilds them on that recipe.",
+            f"before; `{rebuild_command(run_dir)}` rebuilds them on that recipe.",
             "",
         ]
     return lines
