@@ -274,24 +274,6 @@ def test_cancelled_launch_leaves_no_rank_behind(data, tmp_path):
     assert not alive
 
 
-def test_resume_on_fewer_ranks_goes_through_a_universal_checkpoint(data, tmp_path):
-    """2 ranks of ZeRO-2 stop mid-phase; 1 rank (the same global batch of 8, as 2 micro-batches of 4) finishes it."""
-    out = tmp_path / "zero2"
-    job = make_job(data, out, world=2, batch_size=8, stop_after_steps=7)
-    edit(job, zero_stage=2)
-    run_job(job, LauncherCfg(kind="torchrun", nproc=2, threads_per_rank=1))
-    assert not (out / "summary.json").exists()
-
-    text = json.loads(job.read_text())
-    text["stop_after_steps"] = None
-    job.write_text(json.dumps(text))
-    lines = run_job(job)
-    assert any("1 rank(s) of 1 thread(s) x 2 micro-batch(es) of 4" in line for line in lines)
-    assert any("converting step00000006 to a universal checkpoint" in line for line in lines), "\n".join(lines[-20:])
-    assert any("resumed s1 from checkpoint step00000006" in line for line in lines)
-    assert json.loads((out / "summary.json").read_text())["steps"] == 39
-
-
 @pytest.mark.parametrize("policy", ["skip", "rollback"])
 def test_loss_spike_policies(data, tmp_path, policy):
     """A hair-trigger spike factor makes ordinary noise count as spikes: each policy acts and the phase finishes."""
