@@ -110,13 +110,74 @@ def _repo_cwd(monkeypatch):
     monkeypatch.chdir(REPO)
 
 
+class SharedServer:
+    """One Prefect test server for every pytest-xdist worker, run by the controller: a server per worker cost each
+    ~15 CPU s to start and ~1 CPU s a minute idle for the whole suite. It starts in a thread while the workers start
+    (~20 s) and writes its API URL to `url` once it answers; it stops when the controller ends."""
+
+    def __init__(self) -> None:
+        import tempfile
+        import threading
+
+        self.dir = Path(tempfile.mkdtemp(prefix="prefect-shared-"))
+        self.url, self.server = self.dir / "api_url", None
+        self.thread = threading.Thread(target=self._start, daemon=True)
+        self.thread.start()
+
+    def _start(self) -> None:
+        from prefect.server.api.server import SubprocessASGIServer
+        from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{self.dir / 'prefect.db'}"}):
+            self.server = SubprocessASGIServer(port=free_port())
+            self.server.start(timeout=180)
+        self.url.write_text(self.server.api_url)
+
+    def stop(self) -> None:
+        import shutil
+
+        self.thread.join(timeout=180)
+        if self.server is not None:
+            self.server.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):  # the xdist controller
+        config.stash[SHARED] = SharedServer()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:  # pytest-xdist: what the controller hands a worker it starts
+    node.workerinput["prefect_api_url"] = str(node.config.stash[SHARED].url)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if SHARED in config.stash:
+        config.stash[SHARED].stop()
+
+
+SHARED = pytest.StashKey[SharedServer]()
+
+
 @pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
-    """A real (test-harness) Prefect API server; results go to a temp dir, not the user's home."""
+def prefect_server(request, tmp_path_factory):
+    """A real (test-harness) Prefect API server; results go to a temp dir, not the user's home. Under pytest-xdist,
+    the controller's one server (SharedServer), else a server of this process."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
     os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(tmp_path_factory.mktemp("prefect-results"))
-    with prefect_test_harness(server_startup_timeout=180):
+    shared = getattr(request.config, "workerinput", {}).get("prefect_api_url")
+    if shared is None:
+        with prefect_test_harness(server_startup_timeout=180):
+            yield
+        return
+    url, deadline = Path(shared), time.time() + 240
+    while not url.exists():
+        assert time.time() < deadline, "the controller's Prefect server did not start in 240 s"
+        time.sleep(0.2)
+    with temporary_settings({PREFECT_API_URL: url.read_text()}):
         yield
 
 
