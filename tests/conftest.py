@@ -131,7 +131,9 @@ class SharedServer:
         with temporary_settings({PREFECT_API_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{self.dir / 'prefect.db'}"}):
             self.server = SubprocessASGIServer(port=free_port())
             self.server.start(timeout=180)
-        self.url.write_text(self.server.api_url)
+        ready = self.dir / "api_url.tmp"
+        ready.write_text(self.server.api_url)
+        ready.rename(self.url)  # a worker that sees the file reads the whole URL
 
     def stop(self) -> None:
         import shutil
