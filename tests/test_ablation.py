@@ -139,7 +139,7 @@ def test_every_shipped_ablation_file_opens_and_names_its_runs(tmp_path):
         assert len(abl.runs) >= 2 and len({r.name for r in abl.runs}) == len(abl.runs), path
 
 
-def test_the_ladder_holds_only_where_a_rung_climbs_beyond_noise_in_every_run(tmp_path):
+def test_the_ladder_holds_only_where_a_rung_climbs_beyond_noise_in_every_run_and_was_trained_from_the_rung_below(tmp_path):
     from infra.summaries import HeldoutEval, outcomes
     from tasks.evaluation.compare import ladder_by_run
 
@@ -163,6 +163,9 @@ def test_the_ladder_holds_only_where_a_rung_climbs_beyond_noise_in_every_run(tmp
     assert lines[-1] == "**Holds in every run:** sft over base. **Does not:** apo over sft."
     partial = ladder_by_run({**ladders, "seed2": ladders["seed0"][:2]})[1]  # seed2's APO not trained yet: nothing holds yet
     assert partial[1]["runs"]["seed2"] == "not trained yet" and not partial[1]["up_in_every_run"]
+    rebuilt = ladder_by_run({**ladders, "seed1": ladders["seed0"]}, {"seed1": {"apo"}})[1]  # seed1's SFT rebuilt alone
+    assert rebuilt[1]["runs"]["seed1"] == "not compared: trained from another sft (out of date)"
+    assert not rebuilt[1]["up_in_every_run"] and not rebuilt[1]["not_longer_in_every_run"] and rebuilt[0]["up_in_every_run"]
 
 
 def pretraining_tokens(lines: list[str]) -> tuple[int, ...]:

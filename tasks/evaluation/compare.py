@@ -30,7 +30,7 @@ from infra.summaries import HeldoutEval, PhaseSummary, TrainedSummary
 from tasks.common import run_logger
 from tasks.evaluation.audit import NO_SIGNAL, NOISE_WINDOW, audit, audit_table, series
 from tasks.evaluation.plots import artifact, save
-from tasks.evaluation.report import eval_records, ladder, rung_change, step_metrics
+from tasks.evaluation.report import eval_records, ladder, rung_change, step_metrics, trained_apart
 from tasks.evaluation.results import local_fingerprint, main_metric, run_results, stderr_of
 from tasks.evaluation.stats import Items, checkpoint_floor, items_of, noise_floor, paired, verdict
 
@@ -319,10 +319,10 @@ def publish_comparison(
     elif silent:
         lines += [f"Judged although they show no signal at this scale (`evaluation.select: all`): {', '.join(sorted(silent))}.", ""]
 
-    ladders = _ladders(runs, done)
+    ladders, apart = _ladders(runs, done)
     ladder_rows = []
     if ladders:
-        ladder_lines, ladder_rows = ladder_by_run(ladders)
+        ladder_lines, ladder_rows = ladder_by_run(ladders, apart)
         lines += ["## The post-training ladder in every run", "", *ladder_lines, ""]
         lines += [f"![ladders]({save(_ladder_plot(ladders, plt), out / 'ladders.png').name})", ""]
 
@@ -381,20 +381,24 @@ def publish_comparison(
 Ladder = list[tuple[str, HeldoutEval]]  # (model label, held-out eval) from the base model up
 
 
-def _ladders(runs: list[AblationRunDir], done: Done) -> dict[str, Ladder]:
-    """run name -> its post-training ladder, for the runs that post-trained."""
-    out = {}
+def _ladders(runs: list[AblationRunDir], done: Done) -> tuple[dict[str, Ladder], dict[str, set[str]]]:
+    """run name -> its post-training ladder, for the runs that post-trained; and run name -> its rungs trained apart
+    from the one below (`trained_apart`: a stage rebuilt alone in the run's dir)."""
+    out, apart = {}, {}
     for run in runs:
-        rungs = ladder([(s.model, o) for s in run.steps if s.model and (o := done[run.name].get(s.name))])
+        models = [(s.model, o) for s in run.steps if s.model and (o := done[run.name].get(s.name))]
+        rungs = ladder(models)
         if len(rungs) > 1:
-            out[run.name] = rungs
-    return out
+            out[run.name], apart[run.name] = rungs, trained_apart(models)
+    return out, apart
 
 
-def ladder_by_run(ladders: dict[str, Ladder]) -> tuple[list[str], list[dict[str, Any]]]:
+def ladder_by_run(ladders: dict[str, Ladder], apart: dict[str, set[str]] | None = None) -> tuple[list[str], list[dict[str, Any]]]:
     """Each rung against the one below it in every run: held-out accuracy (paired over the same prompts, McNemar)
     and answer length. A rung holds when it is up beyond the prompts' sampling noise in every run: one model's
-    climb, as on the machine a recipe was tuned on, says nothing of another's."""
+    climb, as on the machine a recipe was tuned on, says nothing of another's. A rung a run trained apart from the
+    one below (APART, run -> rungs) is not compared there, so it does not hold."""
+    apart = apart or {}
     names = [n for n, _ in max(ladders.values(), key=len)]
     lines = [
         "| rung | " + " | ".join(ladders) + " | up in every run | answers not longer in every run |",
@@ -406,6 +410,10 @@ def ladder_by_run(ladders: dict[str, Ladder]) -> tuple[list[str], list[dict[str,
         for run, rungs in ladders.items():
             if len(rungs) <= i:
                 cells[run] = "not trained yet"
+                ups.append(False)
+                continue
+            if rungs[i][0] in apart.get(run, ()):
+                cells[run] = f"not compared: trained from another {rungs[i - 1][0]} (out of date)"
                 ups.append(False)
                 continue
             below, e = rungs[i - 1][1], rungs[i][1]
