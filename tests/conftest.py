@@ -128,7 +128,7 @@ class SharedServer:
         from prefect.server.api.server import SubprocessASGIServer
         from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL, temporary_settings
 
-        with temporary_settings({PREFECT_API_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{self.dir / 'prefect.db'}"}):
+        with temporary_settings({PREFECT_API_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{self.dir / 'prefect.db'}", **lean()}):
             self.server = SubprocessASGIServer(port=free_port())
             self.server.start(timeout=180)
         ready = self.dir / "api_url.tmp"
@@ -142,6 +142,23 @@ class SharedServer:
         if self.server is not None:
             self.server.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def lean() -> dict:
+    """Settings of the test server: the services that record task runs and persist events are off. The tests' flows
+    read neither back, and on 2 cores recording each task run's events cost the server most of its CPU (a flow of 150
+    logging tasks, twice: 9 CPU s with them, 1 without). The deployment tests run `smolflow server`, every service on."""
+    from prefect.settings import (
+        PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED,
+        PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_ENABLED,
+        PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED,
+    )
+
+    return {
+        PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_ENABLED: False,
+        PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED: False,
+        PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED: False,
+    }
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -172,7 +189,7 @@ def prefect_server(request, tmp_path_factory):
     os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(tmp_path_factory.mktemp("prefect-results"))
     shared = getattr(request.config, "workerinput", {}).get("prefect_api_url")
     if shared is None:
-        with prefect_test_harness(server_startup_timeout=180):
+        with temporary_settings(lean()), prefect_test_harness(server_startup_timeout=180):
             yield
         return
     url, deadline = Path(shared), time.time() + 240
