@@ -30,7 +30,7 @@ from infra.summaries import HeldoutEval, PhaseSummary, TrainedSummary
 from tasks.common import run_logger
 from tasks.evaluation.audit import NO_SIGNAL, NOISE_WINDOW, audit, audit_table, series
 from tasks.evaluation.plots import artifact, save
-from tasks.evaluation.report import eval_records, ladder, rung_change, step_metrics, trained_apart
+from tasks.evaluation.report import eval_records, ladder, not_compared, rung_change, step_metrics, trained_apart
 from tasks.evaluation.results import local_fingerprint, main_metric, run_results, stderr_of
 from tasks.evaluation.stats import Items, checkpoint_floor, items_of, noise_floor, paired, verdict
 
@@ -413,7 +413,7 @@ def ladder_by_run(ladders: dict[str, Ladder], apart: dict[str, set[str]] | None 
                 ups.append(False)
                 continue
             if rungs[i][0] in apart.get(run, ()):
-                cells[run] = f"not compared: trained from another {rungs[i - 1][0]} (out of date)"
+                cells[run] = not_compared(rungs[i - 1][0])
                 ups.append(False)
                 continue
             below, e = rungs[i - 1][1], rungs[i][1]

@@ -241,6 +241,11 @@ def trained_apart(models: list[tuple[str, StepOutput]]) -> set[str]:
     return apart
 
 
+def not_compared(below: str) -> str:
+    """What a ladder says of a rung trained apart from the rung BELOW it (`trained_apart`), in every table of one."""
+    return f"not compared: trained from another {below} (out of date)"
+
+
 def falls(rungs: list[tuple[str, HeldoutEval]], apart: Collection[str] = ()) -> str | None:
     """Each rung under the one below it, in words: a stage that costs accuracy must not hide in a table of figures.
     APART (`trained_apart`): rungs not trained from the one below, whose difference says nothing of a stage."""
@@ -265,11 +270,7 @@ def ladder_table(
     for n, e in rungs:
         family = ", ".join(f"{k} {v:.1%}" for k, v in e.by_family.items())
         math_em = f"{generative[n]:.1%}" if n in generative else ""
-        vs = (
-            f"not compared: trained from another {below[0]} (out of date)"
-            if n in apart and below
-            else rung_step(below[1] if below else None, e)
-        )
+        vs = not_compared(below[0]) if n in apart and below else rung_step(below[1] if below else None, e)
         rows.append(f"| {n} | {e.accuracy:.1%} | {family} | {math_em} | {e.mean_answer_tokens:.1f} | {vs} |")
         below = (n, e)
     if fell := falls(rungs, apart):
