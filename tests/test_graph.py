@@ -103,8 +103,9 @@ def test_a_value_reruns_exactly_the_steps_that_read_it_and_their_downstream(tmp_
     assert build_all(tmp_path, **change) == rebuilt
 
 
-def test_evaluation_results_are_keyed_by_what_changes_a_score(tmp_path):
-    """The eval family: the item limit re-scores, threads or niceness do not."""
+def test_evaluation_results_are_keyed_by_what_changes_a_score_and_each_key_keeps_its_own(tmp_path):
+    """The eval family: the item limit re-scores, threads or niceness do not; a score under another limit is kept
+    beside the first, so a run that goes back to the first limit scores nothing again."""
     store = ResultStore(str(tmp_path))
     model = ModelRef(str(tmp_path), "fp", "phase1/step00000005", "checkpoint", "phase1")
     base = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=8)
@@ -113,6 +114,10 @@ def test_evaluation_results_are_keyed_by_what_changes_a_score(tmp_path):
         assert store.pending(model, ["smol_arithmetic_cf"], {"smol_arithmetic_cf": eval_key(same)}) == []
     for other in (base.model_copy(update={"limit": 16}), base.model_copy(update={"max_length": 64})):
         assert store.pending(model, ["smol_arithmetic_cf"], {"smol_arithmetic_cf": eval_key(other)}) == ["smol_arithmetic_cf"]
+    keys = {limit: {"smol_arithmetic_cf": eval_key(base.model_copy(update={"limit": limit}))} for limit in (8, 16)}
+    store.put(model, {"smol_arithmetic_cf": {"acc": 0.5}}, keys[16], 16, 1.0)
+    assert store.pending(model, ["smol_arithmetic_cf"], keys[8]) == [], "the limit-8 score is still there"
+    assert [store.get("fp", keys[limit])["tasks"]["smol_arithmetic_cf"]["metrics"]["acc"] for limit in (8, 16)] == [0.25, 0.5]
 
 
 def test_dry_run_names_the_changed_keys_and_runs_nothing(everything):

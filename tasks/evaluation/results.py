@@ -228,15 +228,20 @@ def remote_fingerprint(fs, folder: str, sub: str, files: dict[str, Any]) -> tupl
     return fingerprint_listing({rel: r["md5"] for rel, r in record.items()}), None
 
 
-def _merged(fingerprint: str, objects: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """One model's record from its objects: every task (the newest object's for a task stored twice), the seconds
-    of all its evaluations, the time of the last."""
+def _merged(fingerprint: str, objects: list[dict[str, Any]], keys: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """One model's record from its objects: every task, the seconds of all its evaluations, the time of the last.
+    A task scored under several keys (two item limits, two versions of its held-out data) has an object for each:
+    the record holds the newest under KEYS[task] when there is one, else the newest of all."""
     if not objects:
         return None
     objects = sorted(objects, key=lambda r: r.get("evaluated_at", ""))
     record = {"fingerprint": fingerprint, "model": objects[-1].get("model", {}), "tasks": {}}
+    wanted = keys or {}
     for o in objects:
-        record["tasks"] |= o["tasks"]
+        for task, entry in o["tasks"].items():
+            kept = record["tasks"].get(task)
+            if kept is None or entry.get("key") == wanted.get(task) or kept.get("key") != wanted.get(task):
+                record["tasks"][task] = entry
     record["seconds"] = round(sum(o.get("seconds", 0.0) for o in objects), 2)
     record["evaluated_at"] = objects[-1].get("evaluated_at")
     return record
@@ -251,9 +256,9 @@ def run_results(run_dir: Path) -> ResultStore:
 
 class ResultStore:
     """Evaluation results per model fingerprint, in a local folder or under an fsspec URL: one object per result
-    (`FP.TASK.json`, a record holding that one task), written whole and never read back to be rewritten, so two
-    hosts scoring one model in the same bucket cannot drop each other's tasks. A model's record is the merge of its
-    objects (and of `FP.json`, the one object per model that earlier versions wrote, still read)."""
+    (`FP.TASK.KEY.json`, a record holding that one task under one key), written whole and never read back to be
+    rewritten, so two hosts scoring one model in the same bucket cannot drop each other's tasks. A model's record is
+    the merge of its objects (and of `FP.TASK.json` and `FP.json`, which earlier versions wrote, still read)."""
 
     def __init__(self, url: str, s3: S3Cfg | None = None, lock_dir: Path | None = None):
         self.url = url.rstrip("/")
@@ -276,28 +281,30 @@ class ResultStore:
                 continue
         return out
 
-    def get(self, fingerprint: str) -> dict[str, Any] | None:
-        objects = self._read(self._list(f"{fingerprint}*.json"))  # FP.json and FP.TASK.json; another FP is dropped by name
-        return _merged(fingerprint, objects.get(fingerprint, []))
+    def get(self, fingerprint: str, keys: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+        """The model's record; each task's result under KEYS (task -> key) where one is stored (`_merged`)."""
+        objects = self._read(self._list(f"{fingerprint}*.json"))  # FP.json, FP.TASK(.KEY).json; another FP is dropped by name
+        return _merged(fingerprint, objects.get(fingerprint, []), keys)
 
     def pending(self, model: ModelRef, tasks: list[str], keys: Mapping[str, str]) -> list[str]:
         """Tasks this model has no result for under their KEYS (task -> `eval_key`, and the task's data where it has some)."""
-        done = (self.get(model.fingerprint) or {}).get("tasks", {})
+        done = (self.get(model.fingerprint, keys) or {}).get("tasks", {})
         return [t for t in tasks if t not in done or done[t].get("key") != keys[t]]
 
     def put(
         self, model: ModelRef, metrics: dict[str, dict[str, float]], keys: Mapping[str, str], limit: int | None, seconds: float
     ) -> dict[str, Any]:
-        """One object per task (its item outcomes, when kept, beside its metrics; SECONDS shared among them); returns
-        the model's record as it now reads."""
+        """One object per task and key (its item outcomes, when kept, beside its metrics; SECONDS shared among them):
+        a result under another key is kept beside it, not replaced. Returns the model's record as it now reads."""
         self.fs.makedirs(self.root, exist_ok=True)
         at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         for task, m in metrics.items():
             entry = {"key": keys[task], "limit": limit, "metrics": {k: v for k, v in m.items() if k != ITEMS}}
             entry |= {ITEMS: m[ITEMS]} if ITEMS in m else {}
             record = {"fingerprint": model.fingerprint, "model": model.info(), "tasks": {task: entry}}
-            self._write(f"{model.fingerprint}.{task}.json", record | {"seconds": round(seconds / len(metrics), 2), "evaluated_at": at})
-        return self.get(model.fingerprint) or {}
+            name = f"{model.fingerprint}.{task}.{keys[task]}.json"
+            self._write(name, record | {"seconds": round(seconds / len(metrics), 2), "evaluated_at": at})
+        return self.get(model.fingerprint, keys) or {}
 
     def _write(self, name: str, record: dict[str, Any]) -> None:
         tmp = f"{self.root}/.{name}.{uuid.uuid4().hex[:8]}.tmp"  # two hosts writing one result never share a temporary

@@ -130,7 +130,7 @@ class Evaluator:
         """Copy into MODEL's record the pending plain (no chat template) tasks a model with its scoring key was
         scored on under this evaluation's key; returns the groups still pending."""
         twin = self.scored.get(model.scores_as) if model.scores_as else None
-        record = self.store.get(twin) if twin and twin != model.fingerprint else None
+        record = self.store.get(twin, self.keys) if twin and twin != model.fingerprint else None
         have = {t: e for t, e in (record or {"tasks": {}})["tasks"].items() if e.get("key") == self.keys.get(t)}
         tasks = [t for pending, chat in groups if not chat for t in pending if t in have]
         if not tasks:
