@@ -157,8 +157,8 @@ def test_a_full_disk_fails_a_step_or_a_result_naming_the_folder_and_its_free_spa
     first = results.put(model, {"t": {"acc": 0.5}}, {"t": "k"}, None, 1.0)
     with open(disk / "filler", "wb") as filler, contextlib.suppress(OSError):
         filler.write(b"0" * 2**20)
-    with pytest.raises(DiskFull, match=r"evaluation results: no space left writing .*\.f1\.t\.json\.\w+\.tmp \(0\.\d MiB free there\)"):
-        results.put(model, {"t": {"acc": 0.7, "items": [[1.0, 1.0]] * 50_000}}, {"t": "k2"}, None, 1.0)
+    with pytest.raises(DiskFull, match=r"evaluation results: no space left writing .*\.f1\.t\.k\.json\.\w+\.tmp \(0\.\d MiB free there\)"):
+        results.put(model, {"t": {"acc": 0.7, "items": [[1.0, 1.0]] * 50_000}}, {"t": "k"}, None, 1.0)  # the same result again
     assert results.get("f1") == first and not list((disk / "results").glob(".*.tmp"))
 
 
