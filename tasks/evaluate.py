@@ -21,7 +21,7 @@ from tasks.curation.pipelines import HELDOUT
 from tasks.evaluation.harness import EvalFailed, prepare_tasks
 from tasks.evaluation.plots import artifact
 from tasks.evaluation.report import build_report
-from tasks.evaluation.results import RESULTS, ResultStore, models_in_prefix, models_in_run, run_results
+from tasks.evaluation.results import RESULTS, ResultStore, keep_keys, models_in_prefix, models_in_run, run_results
 from tasks.evaluation.runner import EvalSummary, Evaluator
 
 
@@ -40,11 +40,14 @@ class Models:
 def evaluator(
     recipe: Recipe, run_dir: Path, heldout: Path, mirror: Mirror | None, store: ResultStore | None = None, alone: bool = False
 ) -> Evaluator:
-    """`alone`: nothing else of the run is running (a stage's own evals; `Evaluator`)."""
+    """`alone`: nothing else of the run is running (a stage's own evals; `Evaluator`). Without STORE it scores into
+    the run's own, and records the keys it scores under there, which the run's reports then read."""
     cfg = recipe.evaluation
     include = prepare_tasks(cfg.task_dirs, heldout, run_dir / "evals" / "tasks")
-    store = store or run_results(run_dir)
-    return Evaluator(cfg, store, include, run_dir / "evals" / "work", run_logger(), mirror, recipe.storage.s3, alone)
+    ev = Evaluator(cfg, store or run_results(run_dir), include, run_dir / "evals" / "work", run_logger(), mirror, recipe.storage.s3, alone)
+    if store is None:
+        keep_keys(run_dir, ev.keys)
+    return ev
 
 
 def following(recipe: Recipe) -> bool:

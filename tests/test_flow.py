@@ -153,7 +153,7 @@ def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_ser
 
     from flows.pipeline import full_pipeline
     from tasks import evaluate as ev
-    from tasks.evaluation.results import ResultStore, local_fingerprint
+    from tasks.evaluation.results import KEYS, ResultStore, local_fingerprint, run_results
 
     left: list[dict] = []  # what the evaluate stage found unscored
     evaluate_run = ev.evaluate_run
@@ -165,7 +165,9 @@ def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_ser
     [found] = left
     assert found["evaluated"] == [] and found["busy"] == [] and found["cached"], found
     base = local_fingerprint(tmp_path / "run" / "pretrain_long_context" / "final")
-    assert "smol_arithmetic_gen" in ResultStore(str(tmp_path / "run" / "evals" / "results")).get(base)["tasks"]
+    record = run_results(tmp_path / "run").get(base)
+    keys = json.loads((tmp_path / "run" / KEYS).read_text())  # the keys the run's evaluations scored under, which its reports read
+    assert "smol_arithmetic_gen" in record["tasks"] and all(e["key"] == keys[t] for t, e in record["tasks"].items()), keys
     assert result["curate"].endswith("curate.md")
     final = Path(result["pretrain"])
     model = AutoModelForCausalLM.from_pretrained(final)

@@ -19,7 +19,7 @@ import pytest
 from flows.graph import STAGES, build_graph
 from infra.recipe import EvalCfg, parse_recipe
 from infra.steps import identity, out_of_date, run_step
-from tasks.evaluation.results import ModelRef, ResultStore, eval_key
+from tasks.evaluation.results import RESULTS, ModelRef, ResultStore, eval_key, keep_keys, run_results
 from tests.helpers import REPO, micro_recipe, stand_in, write_recipe
 
 
@@ -118,6 +118,15 @@ def test_evaluation_results_are_keyed_by_what_changes_a_score_and_each_key_keeps
     store.put(model, {"smol_arithmetic_cf": {"acc": 0.5}}, keys[16], 16, 1.0)
     assert store.pending(model, ["smol_arithmetic_cf"], keys[8]) == [], "the limit-8 score is still there"
     assert [store.get("fp", keys[limit])["tasks"]["smol_arithmetic_cf"]["metrics"]["acc"] for limit in (8, 16)] == [0.25, 0.5]
+    # a run reads the score of the key its evaluations scored under, not the newest: back at limit 8, 0.25
+    run = tmp_path / "run"
+    (run / RESULTS).parent.mkdir(parents=True)
+    (run / RESULTS).symlink_to(tmp_path)  # as an ablation's run links a shared store
+    for limit, acc in ((8, 0.25), (16, 0.5), (8, 0.25)):
+        keep_keys(run, keys[limit])
+        [listed] = run_results(run).all()
+        for record in (listed, run_results(run).get("fp")):
+            assert record["tasks"]["smol_arithmetic_cf"]["metrics"]["acc"] == acc, limit
 
 
 def test_dry_run_names_the_changed_keys_and_runs_nothing(everything):

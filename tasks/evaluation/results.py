@@ -248,10 +248,25 @@ def _merged(fingerprint: str, objects: list[dict[str, Any]], keys: Mapping[str, 
 
 
 RESULTS = Path("evals") / "results"  # a run's result store (an ablation's and a swarm's runs link theirs to a shared one)
+KEYS = Path("evals") / "keys.json"  # task -> the key the run's evaluations score it under (`keep_keys`)
 
 
 def run_results(run_dir: Path) -> ResultStore:
-    return ResultStore(str(run_dir / RESULTS))
+    """The run's result store, reading each task's result under the key the run's last evaluation scored it under:
+    a store shared with other runs, or a run that went back to an earlier item limit, holds other keys too, and the
+    newest of them need not be this run's."""
+    path = run_dir / KEYS
+    return ResultStore(str(run_dir / RESULTS), keys=json.loads(path.read_text()) if path.is_file() else None)
+
+
+def keep_keys(run_dir: Path, keys: Mapping[str, str]) -> None:
+    """Record the keys an evaluation of the run scores under, for `run_results` (written whole: a report reading
+    it while the follower and a stage's evaluation both record the same keys reads one or the other)."""
+    path = run_dir / KEYS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps(dict(keys), sort_keys=True))
+    tmp.replace(path)
 
 
 class ResultStore:
@@ -260,8 +275,9 @@ class ResultStore:
     rewritten, so two hosts scoring one model in the same bucket cannot drop each other's tasks. A model's record is
     the merge of its objects (and of `FP.TASK.json` and `FP.json`, which earlier versions wrote, still read)."""
 
-    def __init__(self, url: str, s3: S3Cfg | None = None, lock_dir: Path | None = None):
-        self.url = url.rstrip("/")
+    def __init__(self, url: str, s3: S3Cfg | None = None, lock_dir: Path | None = None, keys: Mapping[str, str] | None = None):
+        """KEYS (task -> key): the results `get` and `all` read where a task has several (`_merged`)."""
+        self.url, self.keys = url.rstrip("/"), keys
         self.fs, self.root = filesystem(self.url, s3)
         self.lock_dir = Path(lock_dir or (Path(url) / ".locks" if "://" not in url else Path(".smolflow") / "eval-locks"))
 
@@ -282,9 +298,10 @@ class ResultStore:
         return out
 
     def get(self, fingerprint: str, keys: Mapping[str, str] | None = None) -> dict[str, Any] | None:
-        """The model's record; each task's result under KEYS (task -> key) where one is stored (`_merged`)."""
+        """The model's record; each task's result under KEYS (task -> key; the store's own by default) where one is
+        stored (`_merged`)."""
         objects = self._read(self._list(f"{fingerprint}*.json"))  # FP.json, FP.TASK(.KEY).json; another FP is dropped by name
-        return _merged(fingerprint, objects.get(fingerprint, []), keys)
+        return _merged(fingerprint, objects.get(fingerprint, []), self.keys if keys is None else keys)
 
     def pending(self, model: ModelRef, tasks: list[str], keys: Mapping[str, str]) -> list[str]:
         """Tasks this model has no result for under their KEYS (task -> `eval_key`, and the task's data where it has some)."""
@@ -327,9 +344,9 @@ class ResultStore:
         return sorted(Path(p).name for p in self._list(f"{fingerprint}.*.json"))
 
     def all(self) -> list[dict[str, Any]]:
-        """Every model's record."""
+        """Every model's record, each task's result under the store's keys where one is stored."""
         objects = self._read(self._list("*.json"))
-        return [r for fp in sorted(objects) if (r := _merged(fp, objects[fp]))]
+        return [r for fp in sorted(objects) if (r := _merged(fp, objects[fp], self.keys))]
 
     @contextmanager
     def claim(self, fingerprint: str) -> Iterator[bool]:
