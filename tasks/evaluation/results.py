@@ -260,8 +260,9 @@ def run_results(run_dir: Path) -> ResultStore:
 
 
 def keep_keys(run_dir: Path, keys: Mapping[str, str]) -> None:
-    """Record the keys an evaluation of the run scores under, for `run_results` (written whole: a report reading
-    it while the follower and a stage's evaluation both record the same keys reads one or the other)."""
+    """Record the keys an evaluation of the run scores under, for `run_results`. Written whole through a temporary of
+    its own: the follower and a stage's evaluation may record at once, and `write_json_atomic`'s one temporary name
+    would be shared by both."""
     path = run_dir / KEYS
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
