@@ -47,7 +47,16 @@ from pydantic import BaseModel, SecretStr, ValidationError
 from infra.errors import DiskFull, SmolflowError, StepLocked, UpstreamMissing, disk_full
 from infra.locks import acquire, describe_holder, holding
 from infra.recipe import Recipe, is_operational, load_recipe, parse_recipe, recipe_dump
-from infra.storage import Mirror, StorageError, fingerprint_files, fingerprint_listing, fsync_dir, fsync_tree, write_json_atomic
+from infra.storage import (
+    Mirror,
+    StorageError,
+    fingerprint_files,
+    fingerprint_listing,
+    fsync_dir,
+    fsync_tree,
+    temporaries,
+    write_json_atomic,
+)
 from infra.summaries import Summary, read_summary
 
 MANIFEST = "manifest.json"
@@ -546,7 +555,8 @@ def _built(step: Step, sid: str, status: Status, inputs, partial: Path, built: P
                 "seconds": round(time.time() - started, 3),
             }
             write_json_atomic(built, record)  # (1): from here on a relaunch commits, never builds again
-        (partial / f".{MANIFEST}.tmp").unlink(missing_ok=True)  # a manifest write cut off: no output of the step
+        for cut in temporaries(partial):  # a write cut off (the manifest's, the step's own): no output of the step
+            cut.unlink()
         manifest = {
             "name": step.name,
             "step_id": sid,

@@ -10,7 +10,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +26,7 @@ from infra.recipe import S3Cfg
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+TEMPORARY = re.compile(r"\..+\.[0-9a-f]{8}\.tmp")  # `write_text_atomic`'s temporary of a file
 
 
 class CorruptFile(SmolflowError):
@@ -74,13 +77,28 @@ def with_retries(what: str, fn: Callable[[], T], attempts: int = 4, backoff_s: f
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON so that readers see the old file or the whole new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write TEXT so that readers see the old file or the whole new one, never a part. The temporary is this
+    write's own (`temporaries`): two writers of one file (a run's follower and a stage's evaluation) never share it."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
+
+
+def temporaries(root: Path) -> list[Path]:
+    """What writes under ROOT cut off by a kill left (`write_text_atomic`'s temporaries)."""
+    return [path for path in root.rglob(".*.tmp") if TEMPORARY.fullmatch(path.name) and path.is_file()]
 
 
 def fsync_dir(path: Path) -> None:

@@ -24,7 +24,7 @@ from infra.locks import acquire
 from infra.procs import HOST, Proc
 from infra.recipe import S3Cfg
 from infra.steps import JOB, MANIFEST, Step, fingerprint_tree, run_step
-from infra.storage import CorruptFile, Mirror, StorageError, download_folder, inside
+from infra.storage import CorruptFile, Mirror, StorageError, download_folder, inside, temporaries
 from model.checkpoint import MARKER, CheckpointStore, MirrorBehind
 from tests.conftest import free_port
 from tests.helpers import REPO
@@ -824,14 +824,13 @@ COMMITTER = textwrap.dedent(
                 die()
             return real(root, skip_dirs)
         steps.fsync_tree = fsync_tree
-    if case == "manifest":  # the manifest's temporary file written, not yet renamed into place
-        real_write = steps.write_json_atomic
-        def write_json_atomic(path, data):
-            if path.name == steps.MANIFEST:
-                path.with_name(".manifest.json.tmp").write_text("{\\"half\\": ")
+    if case == "manifest":  # the manifest's temporary written, not yet renamed into place
+        real_replace = os.replace
+        def replace(src, dst):
+            if Path(dst).name == steps.MANIFEST:
                 die()
-            real_write(path, data)
-        steps.write_json_atomic = write_json_atomic
+            real_replace(src, dst)
+        os.replace = replace
     if case in ("before rename", "after rename"):
         def commit(ready, final):
             if case == "after rename":
@@ -849,6 +848,8 @@ def test_a_step_killed_anywhere_in_its_commit_is_committed_by_the_relaunch_never
     killed = subprocess.run([sys.executable, "-c", COMMITTER, str(run_dir), str(count), case], cwd=REPO)
     assert killed.returncode == -signal.SIGKILL and count.read_text().split() == ["build"]
     assert not (run_dir / "tok").exists(), "the kill left the step uncommitted in the run"
+    if case == "manifest":
+        assert temporaries(run_dir / "steps" / ".partial"), "the kill left the manifest's temporary"
     relaunch = subprocess.run([sys.executable, "-c", COMMITTER, str(run_dir), str(count), "none"], cwd=REPO)
     assert relaunch.returncode == 0
     assert count.read_text().split() == ["build"], "exactly one build: the relaunch commits what the first one built"

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.steps import Step, StepOutput, finished
-from infra.storage import write_json_atomic
+from infra.storage import write_json_atomic, write_text_atomic
 from infra.summaries import HeldoutEval, PhaseSummary, TrainedSummary
 from tasks.common import run_logger
 from tasks.evaluation.audit import NO_SIGNAL, NOISE_WINDOW, audit, audit_table, series
@@ -357,9 +357,7 @@ def publish_comparison(
     ]
     markdown = "\n".join(lines) + "\n"
     path = out / "ablation.md"
-    tmp = path.with_name(".ablation.md.tmp")
-    tmp.write_text(markdown)
-    tmp.replace(path)
+    write_text_atomic(path, markdown)
     write_json_atomic(
         out / "ablation.json",
         {

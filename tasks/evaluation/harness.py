@@ -47,7 +47,7 @@ from infra.env import thread_count, vllm_build, vllm_engine_args
 from infra.errors import SmolflowError
 from infra.procs import die_with_parent
 from infra.recipe import EvalCfg, RecipeError
-from infra.storage import fingerprint_files
+from infra.storage import fingerprint_files, write_text_atomic
 from infra.summaries import outcomes
 from tasks.evaluation.results import ITEMS, main_metric
 
@@ -67,9 +67,7 @@ def prepare_tasks(task_dirs: list[str], heldout_dir: Path, out: Path) -> Path:
             raise SmolflowError(f"evaluation.task_dirs: {folder} is not a folder of lm-eval task YAMLs")
         for path in sorted(source.glob("*.yaml")):
             text = path.read_text().replace("${TASK_DIR}", str(source)).replace("${HELDOUT}", str(heldout_dir.resolve()))
-            tmp = out / f".{path.name}.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, out / path.name)
+            write_text_atomic(out / path.name, text)
     return out
 
 
@@ -458,10 +456,7 @@ def run_jobs(jobs: list[EvalJob], cfg: EvalCfg) -> None:
             tail = "\n".join(traceback.format_exc().strip().splitlines()[-8:])
             done = {"error": f"evaluating {job.model} failed ({type(err).__name__}):\n{tail}"}
         done["seconds"] = round(time.time() - started, 2)
-        out = Path(job.out)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(done, indent=2))
-        os.replace(tmp, out)
+        write_text_atomic(Path(job.out), json.dumps(done, indent=2))
 
 
 def _use_threads(threads: int) -> None:

@@ -17,6 +17,7 @@ from statistics import median
 from typing import Any
 
 from infra.steps import METRICS, Step, StepOutput, finished, out_of_date, rebuild_command
+from infra.storage import write_text_atomic
 from infra.summaries import ChatDataSummary, CurationSummary, HeldoutEval, PhaseSummary, TrainedSummary
 from postrain.data import sign_slips_note
 from tasks.evaluation.audit import BEYOND, audit, audit_table
@@ -58,9 +59,7 @@ def build_report(run_dir: Path, name: str, graph: list[Step]) -> Card:
     lines += _post_training([(s.model, steps[s.name]) for s in graph if s.model and s.name in steps], evals, plots_dir, card, notes)
     lines += _wall_time(steps, plots_dir, card)
     card.markdown = "\n".join(lines) + "\n"
-    tmp = card.path.with_name(".card.md.tmp")
-    tmp.write_text(card.markdown)
-    tmp.replace(card.path)
+    write_text_atomic(card.path, card.markdown)
     return card
 
 

@@ -31,7 +31,7 @@ from infra.errors import DiskFull, disk_full
 from infra.locks import acquire
 from infra.recipe import EvalCfg, S3Cfg
 from infra.steps import CARD, CHECKPOINTS, FINAL, MANIFEST, Step, folder_step_id, identity, read_manifest, step_id
-from infra.storage import filesystem, fingerprint_listing, known_digest, with_retries
+from infra.storage import filesystem, fingerprint_listing, known_digest, with_retries, write_json_atomic
 from model.checkpoint import MARKER, is_complete
 
 log = logging.getLogger(__name__)
@@ -260,14 +260,11 @@ def run_results(run_dir: Path) -> ResultStore:
 
 
 def keep_keys(run_dir: Path, keys: Mapping[str, str]) -> None:
-    """Record the keys an evaluation of the run scores under, for `run_results`. Written whole through a temporary of
-    its own: the follower and a stage's evaluation may record at once, and `write_json_atomic`'s one temporary name
-    would be shared by both."""
+    """Record the keys an evaluation of the run scores under, for `run_results` (the follower and a stage's evaluation
+    may record at once: each write has its own temporary)."""
     path = run_dir / KEYS
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps(dict(keys), sort_keys=True))
-    tmp.replace(path)
+    write_json_atomic(path, dict(keys))
 
 
 class ResultStore:
