@@ -12,6 +12,11 @@ recipe: `TrainConfig` is exactly what the pipeline's step for this phase hashes.
 
 from __future__ import annotations
 
+from infra.env import skip_unused_imports
+
+if __name__ == "__main__":  # a rank: before model.network imports transformers
+    skip_unused_imports()
+
 import json
 import math
 import os

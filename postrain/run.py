@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from infra.env import skip_deepspeed_shm_build
+from infra.env import skip_deepspeed_shm_build, skip_unused_imports
 from infra.procs import PREEMPTED, die_with_parent, watch_owner
 from infra.recipe import PostrainCfg
 from infra.storage import write_json_atomic
@@ -65,6 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Train one post-training stage (a job file written by smolflow) on this rank.")
     parser.add_argument("job", type=Path, help="the step's job.json")
     args = parser.parse_args()
+    skip_unused_imports()  # this module imports no transformers; the trainer's, imported in `run`, does
     die_with_parent()
     watch_owner()
     load_cpu_index_locations()
