@@ -26,7 +26,7 @@ from infra.recipe import S3Cfg
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-TEMPORARY = re.compile(r"\..+\.[0-9a-f]{8}\.tmp")  # `write_text_atomic`'s temporary of a file
+TEMPORARY = re.compile(r"\..+\.tmp")  # `write_text_atomic`'s `.NAME.<8 hex>.tmp`, and the `.NAME.tmp` of earlier versions
 
 
 class CorruptFile(SmolflowError):
