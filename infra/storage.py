@@ -10,7 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -26,7 +25,6 @@ from infra.recipe import S3Cfg
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-TEMPORARY = re.compile(r"\..+\.tmp")  # `write_text_atomic`'s `.NAME.<8 hex>.tmp`, and the `.NAME.tmp` of earlier versions
 
 
 class CorruptFile(SmolflowError):
@@ -97,8 +95,9 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def temporaries(root: Path) -> list[Path]:
-    """What writes under ROOT cut off by a kill left (`write_text_atomic`'s temporaries)."""
-    return [path for path in root.rglob(".*.tmp") if TEMPORARY.fullmatch(path.name) and path.is_file()]
+    """What writes under ROOT cut off by a kill left: `write_text_atomic`'s `.NAME.<8 hex>.tmp`, and the `.NAME.tmp` of
+    earlier versions (the glob needs a name between the dots: a checkpoint store's `.tmp` folder is no match)."""
+    return [path for path in root.rglob(".*.tmp") if path.is_file()]
 
 
 def fsync_dir(path: Path) -> None:
