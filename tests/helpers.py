@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
+import psutil
 import yaml
 
 from infra.steps import BUILDS, Step
@@ -64,3 +66,19 @@ def stand_in(step: Step) -> Step:
     """STEP with a function that writes one small file: its identity, decisions and commit as in a real run, in
     milliseconds."""
     return dataclasses.replace(step, fn=lambda cfg, inputs, out: (out / "out.json").write_text("{}") and {})
+
+
+def survivors(pids: list[int], timeout_s: float) -> list[int]:
+    """The PIDS still running after up to TIMEOUT_S. A process that ends between its listing and this check has not
+    survived (`psutil.Process` of it would raise), nor has a zombie: only its parent's wait is left."""
+    deadline = time.monotonic() + timeout_s
+    while (left := [pid for pid in pids if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -24,7 +24,7 @@ from tests.clusters import (
     scores,
 )
 from tests.conftest import free_port
-from tests.helpers import REPO, built
+from tests.helpers import REPO, built, survivors
 from tests.test_curation import planted  # noqa: F401  (planted: the fixture, curated locally)
 
 pytestmark = pytest.mark.slow
@@ -129,7 +129,6 @@ curate_on_ray()
 
 
 def test_a_cancelled_flow_run_stops_its_ray_tasks(ray_head, prefect_server, tmp_path):
-    import psutil
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
@@ -140,8 +139,7 @@ def test_a_cancelled_flow_run_stops_its_ray_tasks(ray_head, prefect_server, tmp_
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=150)
-    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=60)
-    assert not alive, "the cancelled flow run left its Ray tasks running"
+    assert not survivors(pids, 60), "the cancelled flow run left its Ray tasks running"
 
 
 RAY_DRIVER = """

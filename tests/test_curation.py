@@ -16,7 +16,7 @@ from infra.steps import fingerprint_tree
 from tasks.curation import pipelines, tokenizer
 from tasks.curation.mixtures import MixtureError, resolve_mixtures, split_budget
 from tasks.pretrain import mixture_phases
-from tests.helpers import REPO, micro_recipe, write_jsonl
+from tests.helpers import REPO, micro_recipe, survivors, write_jsonl
 
 WORDS = [f"w{i}" + "abcdefghij"[i % 10] * (i % 4 + 1) for i in range(3000)]
 
@@ -264,8 +264,6 @@ def test_a_stopping_process_interrupts_its_local_curation_workers_and_keeps_comp
     import threading
     import time
 
-    import psutil
-
     from infra.errors import Stopped
     from infra.procs import STOPPING
     from infra.recipe import ExecutorCfg
@@ -287,8 +285,7 @@ def test_a_stopping_process_interrupts_its_local_curation_workers_and_keeps_comp
         assert len(raised) == 1 and isinstance(raised[0], Stopped)
         assert sorted(p.name for p in tmp_path.glob("*.pid")) == sorted(f"{r}.pid" for r in range(2)), "no third rank started"
         assert not any(executor.is_rank_completed(r) for r in range(4))
-        time.sleep(1)
-        assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE], "workers ended"
+        assert not survivors(pids, 5), "workers ended"
     finally:
         STOPPING.clear()
         thread.join(70)

@@ -19,7 +19,7 @@ from infra.recipe import RecipeError
 from infra.swarm import draw_mixtures, load_swarm, proxy_name
 from tasks.pretrain import train_configs
 from tests.clusters import scores
-from tests.helpers import built, micro_recipe, write_recipe
+from tests.helpers import built, micro_recipe, survivors, write_recipe
 
 VALIDATED = ("proposed", "prior", "natural")
 PROXIES = [proxy_name(i) for i in range(4)]
@@ -235,7 +235,6 @@ def test_a_signalled_swarm_stops_its_proxies_in_flight_and_starts_no_more(tmp_pa
     import sys
     import time
 
-    import psutil
     from prefect.settings import PREFECT_API_URL
 
     from tests.helpers import REPO
@@ -252,8 +251,7 @@ def test_a_signalled_swarm_stops_its_proxies_in_flight_and_starts_no_more(tmp_pa
         driver.wait(timeout=90)
     finally:
         driver.kill()
-    _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
-    assert not alive, "a proxy's trainer outlived the signalled swarm"
+    assert not survivors(pids, 10), "a proxy's trainer outlived the signalled swarm"
     assert sorted(p.name for p in tmp_path.glob("started.*")) == ["started.p000", "started.p001"], "a queued proxy started"
 
 
