@@ -102,10 +102,12 @@ def skip_deepspeed_shm_build() -> None:
 
 
 def skip_unused_imports() -> None:
-    """In a trainer rank, before transformers is first imported: its probe (`importlib.util.find_spec`) then finds
-    no scikit-learn, which only assisted generation and GLUE metrics would use, and the rank starts ~2 CPU s sooner
-    (docs/developing.md). Not for a process that fits a swarm (lightgbm) or scores with lm-eval (its metrics)."""
-    sys.modules.setdefault("sklearn", None)
+    """In a trainer rank, before transformers is first imported: its probes (`importlib.util.find_spec`) then find
+    neither scikit-learn, which only assisted generation and GLUE metrics would use, nor scipy, which only the object
+    detection losses would (`linear_sum_assignment`), and the rank starts ~3-4 CPU s sooner (docs/developing.md).
+    Not for a process that fits a swarm (lightgbm) or scores with lm-eval (its metrics)."""
+    for name in ("sklearn", "scipy"):
+        sys.modules.setdefault(name, None)
 
 
 def write_private(path: Path, text: str) -> None:
