@@ -524,16 +524,36 @@ def weights(path: Path) -> dict:
     return load_file(path / "model.safetensors")
 
 
+def in_this_process(cfg, stage: str, trainer, model: Path, data: Path, out: Path) -> dict:
+    """The ranks' own function (postrain/run.py `run`) in this process on one rank's threads: the uninterrupted run a
+    launched one is compared with, at the same global batch, without another launch (a rank's imports: ~15 CPU s)."""
+    import torch
+
+    from postrain.run import PostJob, run
+
+    out.mkdir(parents=True, exist_ok=True)
+    job = PostJob(stage=stage, model=str(model), data=str(data), config=trainer.model_dump(), out=str(out), seed=cfg.seed)
+    threads, handlers = torch.get_num_threads(), {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    torch.set_num_threads(cfg.launcher.threads_per_rank)
+    try:
+        return run(job)
+    finally:  # the trainer's signal handlers are a rank's, not this test process's
+        torch.set_num_threads(threads)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 @pytest.mark.slow
 def test_two_ranks_train_the_same_sft_curve_as_one_rank_at_the_same_global_batch(base, tmp_path, monkeypatch):
-    """DDP (gloo) and DeepSpeed ZeRO-3 on 2 ranks, 4 sequences each, against 1 rank of 8: the same batches
-    (accelerate shards each global batch across ranks), the loss averaged over the same tokens."""
+    """DDP (gloo) and DeepSpeed ZeRO-3 on 2 ranks, 4 sequences each, against 1 rank of 8 (the ranks' function in this
+    process): the same batches (accelerate shards each global batch across ranks), the loss averaged over the same tokens."""
     from tasks.postrain import train
 
     extensions = tmp_path / "torch_extensions"  # where DeepSpeed would JIT-compile an op (its shm all-reduce: minutes)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
-    runs = {}
-    for nproc, zero in [(1, 0), (2, 0), (2, 3)]:
+    cfg, sft, data = launched_sft(tmp_path / "1-zero0", 1)
+    runs = {(1, 0): in_this_process(cfg, "sft", sft, base, data, tmp_path / "1-zero0")}
+    for nproc, zero in [(2, 0), (2, 3)]:
         cfg, sft, data = launched_sft(tmp_path / f"{nproc}-zero{zero}", nproc, zero)
         runs[nproc, zero] = train(cfg, "sft", sft, base, data, tmp_path / f"{nproc}-zero{zero}")
     one = dict(map(tuple, runs[1, 0]["loss"]))
@@ -607,7 +627,7 @@ def test_a_killed_rank_fails_the_launch_a_cancel_sigterms_the_ranks_and_each_ret
     from tasks.postrain import train
 
     cfg, sft, data = launched_sft(tmp_path / "ref", 2, max_steps=60, save_steps=20)
-    reference = dict(map(tuple, train(cfg, "sft", sft, base, data, tmp_path / "ref")["loss"]))
+    reference = dict(map(tuple, in_this_process(cfg, "sft", sft, base, data, tmp_path / "ref")["loss"]))  # 1 rank of 8
     out = tmp_path / "interrupted"
     out.mkdir()
     errors = []
@@ -654,11 +674,9 @@ def pairs_and_prompts(root: Path) -> dict[str, Path]:
 @pytest.mark.parametrize("stage", ["apo", "grpo"])
 def test_a_cancelled_apo_or_grpo_launch_checkpoints_on_sigterm_and_the_retry_resumes_with_the_same_curve(stage, sft_model, tmp_path):
     """APO and GRPO go through the same SIGTERM path as SFT: the step in progress finishes, a checkpoint is saved, and
-    the retry continues the curve of a run that was never cancelled (GRPO's rewards too: its rollouts' RNG resumes).
-    That run is the ranks' own function in this process, on one thread as the launched rank (no third launch)."""
-    import torch
-
-    from postrain.run import PostJob, run
+    the retry continues the curve of a run that was never cancelled (GRPO's rewards too: its rollouts' RNG resumes),
+    run in this process (no third launch)."""
+    from postrain.run import PostJob
     from tasks.postrain import train
 
     data = pairs_and_prompts(tmp_path)[stage]
@@ -675,14 +693,7 @@ def test_a_cancelled_apo_or_grpo_launch_checkpoints_on_sigterm_and_the_retry_res
         out.mkdir()
         return PostJob(stage=stage, model=str(model), data=str(data), config=trainer.model_dump(), out=str(out), seed=cfg.seed)
 
-    threads, handlers = torch.get_num_threads(), {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    torch.set_num_threads(cfg.launcher.threads_per_rank)
-    try:
-        uninterrupted = dict(map(tuple, run(job(tmp_path / "uninterrupted"))[curve]))
-    finally:  # the trainer's signal handlers are a rank's, not this test process's
-        torch.set_num_threads(threads)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    uninterrupted = dict(map(tuple, in_this_process(cfg, stage, trainer, model, data, tmp_path / "uninterrupted")[curve]))
     out = tmp_path / "cancelled"
     said, saved = cancelled_launch(cfg, job(out), curve)
     assert len(saved) == 1 and 4 <= saved[0] < steps, f"one checkpoint, the cancel's: {saved}\n{said}"
