@@ -524,15 +524,22 @@ def weights(path: Path) -> dict:
     return load_file(path / "model.safetensors")
 
 
+def post_job(cfg, stage: str, trainer, model: Path, data: Path, out: Path):
+    """The job of STAGE's trainer as `tasks.postrain.train` writes it for its ranks (the same arguments), OUT made."""
+    from postrain.run import PostJob
+
+    out.mkdir(parents=True, exist_ok=True)
+    return PostJob(stage=stage, model=str(model), data=str(data), config=trainer.model_dump(), out=str(out), seed=cfg.seed)
+
+
 def in_this_process(cfg, stage: str, trainer, model: Path, data: Path, out: Path) -> dict:
     """The ranks' own function (postrain/run.py `run`) in this process on one rank's threads: the uninterrupted run a
     launched one is compared with, at the same global batch, without another launch (a rank's imports: ~15 CPU s)."""
     import torch
 
-    from postrain.run import PostJob, run
+    from postrain.run import run
 
-    out.mkdir(parents=True, exist_ok=True)
-    job = PostJob(stage=stage, model=str(model), data=str(data), config=trainer.model_dump(), out=str(out), seed=cfg.seed)
+    job = post_job(cfg, stage, trainer, model, data, out)
     threads, handlers = torch.get_num_threads(), {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     torch.set_num_threads(cfg.launcher.threads_per_rank)
     try:
@@ -623,7 +630,6 @@ def test_a_killed_rank_fails_the_launch_a_cancel_sigterms_the_ranks_and_each_ret
     import threading
 
     from infra.errors import TrainerFailed
-    from postrain.run import PostJob
     from tasks.postrain import train
 
     cfg, sft, data = launched_sft(tmp_path / "ref", 2, max_steps=60, save_steps=20)
@@ -645,7 +651,7 @@ def test_a_killed_rank_fails_the_launch_a_cancel_sigterms_the_ranks_and_each_ret
     assert "exitcode" in str(errors[0].value).split("Its last lines:")[1], "the error quotes the launcher's report of the rank"
     assert not (out / "result.json").exists() and not (out / "final").exists()
 
-    job = PostJob(stage="sft", model=str(base), data=str(data), config=sft.model_dump(), out=str(out), seed=cfg.seed)
+    job = post_job(cfg, "sft", sft, base, data, out)
     said, saved = cancelled_launch(cfg, job, "loss")  # cancelled at its second loss line: step 24 if it resumed at 20
     assert saved[0] == 20 and len(saved) == 2 and 24 <= saved[1] < 40, f"the periodic checkpoint, then the cancel's: {saved}\n{said}"
     assert not (out / "result.json").exists() and not (out / "final").exists()
@@ -676,7 +682,6 @@ def test_a_cancelled_apo_or_grpo_launch_checkpoints_on_sigterm_and_the_retry_res
     """APO and GRPO go through the same SIGTERM path as SFT: the step in progress finishes, a checkpoint is saved, and
     the retry continues the curve of a run that was never cancelled (GRPO's rewards too: its rollouts' RNG resumes),
     run in this process (no third launch)."""
-    from postrain.run import PostJob
     from tasks.postrain import train
 
     data = pairs_and_prompts(tmp_path)[stage]
@@ -689,13 +694,9 @@ def test_a_cancelled_apo_or_grpo_launch_checkpoints_on_sigterm_and_the_retry_res
     }[stage]()
     model = sft_model / "final"
 
-    def job(out: Path) -> PostJob:
-        out.mkdir()
-        return PostJob(stage=stage, model=str(model), data=str(data), config=trainer.model_dump(), out=str(out), seed=cfg.seed)
-
     uninterrupted = dict(map(tuple, in_this_process(cfg, stage, trainer, model, data, tmp_path / "uninterrupted")[curve]))
     out = tmp_path / "cancelled"
-    said, saved = cancelled_launch(cfg, job(out), curve)
+    said, saved = cancelled_launch(cfg, post_job(cfg, stage, trainer, model, data, out), curve)
     assert len(saved) == 1 and 4 <= saved[0] < steps, f"one checkpoint, the cancel's: {saved}\n{said}"
     assert "received SIGTERM: checkpoint-" in said and not (out / "final").exists(), said
     resumed = train(cfg, stage, trainer, model, data, out)
