@@ -229,9 +229,12 @@ class CheckpointStore:
         for tag in reversed(self.local_tags()[:-keep]):
             if self.mirror is not None and tag not in self._uploaded:
                 continue  # never delete the only copy: it goes once its upload is verified
-            if held < hold and not (self.root / EVALUATED / tag).exists():
+            unscored = not (self.root / EVALUATED / tag).exists()
+            if held < hold and unscored:
                 held += 1
                 continue
+            if unscored and self.hold_unevaluated:  # an evaluator follows this run: its scores of TAG will be missing
+                log.warning("checkpoint %s deleted before the evaluator scored it (%s: no room to hold it)", tag, self.root)
             shutil.rmtree(self.root / tag, ignore_errors=True)
             (self.root / EVALUATED / tag).unlink(missing_ok=True)
 

@@ -415,18 +415,20 @@ def test_the_eval_follower_waits_for_a_model_claimed_elsewhere_without_spinning_
     assert len(scans) <= 3 / 0.5 + 2, f"{len(scans)} scans in 3 s: it spins instead of polling"
 
 
-def test_prune_holds_checkpoints_until_evaluated(tmp_path):
+def test_prune_holds_checkpoints_until_evaluated_and_says_which_it_deleted_unscored(tmp_path, caplog):
     store = CheckpointStore(tmp_path, keep_last=1, hold_unevaluated=2)
-    for step in (1, 2, 3, 4):
-        (store.tmp_dir() / f"step{step:08d}").mkdir(parents=True)
-        (store.tmp_dir() / f"step{step:08d}" / "w.bin").write_bytes(b"x" * step)
-        store.commit(f"step{step:08d}", step, {})
-    # newest kept, the two newest unevaluated older ones held, the oldest pruned
-    assert store.local_tags() == ["step00000002", "step00000003", "step00000004"]
-    mark_evaluated(tmp_path / "step00000002")  # what the evaluator calls once it scored a checkpoint
-    mark_evaluated(tmp_path / "step00000003")
-    store.prune()
+    with caplog.at_level("WARNING", logger="model.checkpoint"):
+        for step in (1, 2, 3, 4):
+            (store.tmp_dir() / f"step{step:08d}").mkdir(parents=True)
+            (store.tmp_dir() / f"step{step:08d}" / "w.bin").write_bytes(b"x" * step)
+            store.commit(f"step{step:08d}", step, {})
+        # newest kept, the two newest unevaluated older ones held, the oldest pruned: its scores will be missing
+        assert store.local_tags() == ["step00000002", "step00000003", "step00000004"]
+        mark_evaluated(tmp_path / "step00000002")  # what the evaluator calls once it scored a checkpoint
+        mark_evaluated(tmp_path / "step00000003")
+        store.prune()
     assert store.local_tags() == ["step00000004"]
+    assert [r.getMessage().split()[:5] for r in caplog.records] == [["checkpoint", "step00000001", "deleted", "before", "the"]]
 
 
 def fake_checkpoint(stage_dir: Path, step: int) -> Path:
