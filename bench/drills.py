@@ -22,6 +22,10 @@
 5. Full-disk drill (root: a tmpfs): a pretraining phase whose checkpoints go to a disk that holds two
    of them and no more finishes with the losses of the reference phase (it prunes before saving), and
    one on a disk too small for any fails naming the folder and the space needed.
+6. Full disk per stage (root): the whole pipeline on a tmpfs sized to fill during each of --full-stages in
+   turn (the earlier stages' steps plus half of that stage's, from the reference). It must fail naming
+   the disk and its free space, leave every committed step as its manifest records it, and, once the
+   disk is grown, complete with the reference's final metrics.
 
 Prints one line per event and a summary table; exits non-zero if a check fails.
 """
@@ -533,6 +537,80 @@ def disk_drill(work: Path) -> tuple[str, list[str]]:
     return f"checkpoints of {size / 2**20:.1f} MiB every {every} steps on {sizes}", problems
 
 
+def stage_disk_drill(work: Path, stages: list[str]) -> tuple[list[str], list[str]]:
+    """The pipeline again on a tmpfs that fills during each of STAGES in turn, sized from the reference's committed
+    steps: the earlier stages' plus half of that stage's. The run must fail with a message naming the disk and its free
+    space, every committed step must still match its manifest, and once the disk is grown the relaunch must complete
+    with the reference's final metrics. Returns a row per stage and the problems."""
+    if os.geteuid() != 0:
+        return ["| full disk, per stage | none | skipped: mounting a tmpfs needs root | 0 |"], []
+    from flows.graph import STAGES, build_graph
+    from infra.recipe import load_recipe
+    from infra.steps import MANIFEST
+
+    graph = build_graph(load_recipe(MICRO, QUICK))
+    stage_of = {step.name: step.stage for step in graph.steps}
+    reference = work / "reference"
+    footprint: dict[str, int] = {}  # stage -> bytes of its committed steps in the reference's store
+    for folder in (reference / "steps").iterdir():
+        if folder.is_dir() and (stage := stage_of.get(folder.name.rsplit("-", 1)[0])):
+            footprint[stage] = footprint.get(stage, 0) + tree_bytes(folder)
+    order = [s for s in STAGES if s in footprint]
+    rows, problems = [], []
+    for stage in stages:
+        started, found = time.time(), []
+        size = sum(footprint[s] for s in order[: order.index(stage)]) + footprint[stage] // 2
+        disk, log = work / f"full-{stage}", work / f"full-{stage}.log"
+        disk.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], check=True)
+        try:
+            run_dir = disk / "run"
+            code = start_pipeline(MICRO, run_dir, log).wait()
+            lines = log.read_text(errors="replace").splitlines()
+            failed_in = next((s for s in order if any(not (run_dir / st.name / MANIFEST).exists() for st in graph.stage(s))), None)
+            named = [line for line in lines if "DiskFull" in line and str(disk) in line and "MiB free" in line]  # a step's, a checkpoint's
+            if code == 0:
+                found.append(f"{stage}: the run completed on a disk of {size / 2**20:.0f} MiB")
+            elif not named:
+                said = next((line for line in lines if "no space left" in line.lower()), "(no line says so)")
+                found.append(f"{stage}: the failure does not name the disk and its free space: {said.strip()[:300]}")
+            found += [f"{stage}: committed file damaged: {rel}" for rel in damaged(run_dir / "steps")]
+            subprocess.run(["mount", "-o", f"remount,size={4 * sum(footprint.values())}", str(disk)], check=True)
+            if start_pipeline(MICRO, run_dir, log).wait() != 0:
+                found.append(f"{stage}: the relaunch on the grown disk failed (see {log})")
+            else:
+                found += [f"{stage}: {d}" for d in compare(final_metrics(reference), final_metrics(run_dir))]
+        finally:
+            subprocess.run(["umount", "-l", str(disk)], check=False)
+        message = named[0].split("DiskFull", 1)[1].strip(" :'(")[:100] if code and named else "-"
+        verdict = "OK: named, nothing committed damaged, the relaunch ends as the reference" if not found else "FAILED"
+        rows.append(
+            f"| full disk in {stage} | tmpfs of {size / 2**20:.0f} MiB, failed in {failed_in} (exit {code}): {message} "
+            f"| {verdict} | {time.time() - started:.0f} |"
+        )
+        problems += found
+    return rows, problems
+
+
+def tree_bytes(root: Path) -> int:
+    """What ROOT's files take on a tmpfs: each rounded up to whole 4 KiB pages."""
+    return sum(-(-p.stat().st_size // 4096) * 4096 for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def damaged(store: Path) -> list[str]:
+    """Files of STORE's committed steps that differ from their manifest's record (size, MD5) or are gone."""
+    from infra.steps import MANIFEST
+    from infra.storage import file_digest
+
+    out = []
+    for manifest in store.glob(f"*/{MANIFEST}"):
+        for rel, want in json.loads(manifest.read_text()).get("files", {}).items():
+            path = manifest.parent / rel
+            if not path.is_file() or path.stat().st_size != want["size"] or file_digest(path, "md5") != want["md5"]:
+                out.append(f"{manifest.parent.name}/{rel}")
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=5, help="SIGKILLs in the kill drill (each target once, then at random)")
@@ -541,7 +619,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="keep run dirs here (default: a temp dir, removed)")
     parser.add_argument("--slurm-kills", type=int, default=4, help="SIGKILLs in the Slurm drill (a job's rank or the flow process)")
-    parser.add_argument("--drills", default="kill,slurm,s3,disk", help="which drills to run after the reference (comma-separated)")
+    parser.add_argument("--drills", default="kill,slurm,s3,disk,stages", help="which drills to run after the reference (comma-separated)")
+    parser.add_argument("--full-stages", default="curate,pretrain,sft", help="the stages the `stages` drill fills the disk in")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="smolflow-drills-"))
@@ -592,6 +671,11 @@ def main() -> int:
         started = time.time()
         disk, problems = disk_drill(work)
         rows.append(f"| full disk | {disk} | {'OK' if not problems else 'FAILED'} | {time.time() - started:.0f} |")
+        failures += problems
+    if "stages" in chosen:
+        print(f"full-disk drill per stage: {args.full_stages}", flush=True)
+        stage_rows, problems = stage_disk_drill(work, args.full_stages.split(","))
+        rows += stage_rows
         failures += problems
 
     print("\n| drill | interruptions | result | seconds |\n|---|---|---|---|")
