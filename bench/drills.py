@@ -574,6 +574,8 @@ def stage_disk_drill(work: Path, stages: list[str]) -> tuple[list[str], list[str
             elif not named:
                 said = next((line for line in lines if "no space left" in line.lower()), "(no line says so)")
                 found.append(f"{stage}: the failure does not name the disk and its free space: {said.strip()[:300]}")
+            if retried := [line for line in lines if "will start" in line and "Retry" in line]:  # Prefect's retry line
+                found.append(f"{stage}: a full disk was retried {len(retried)}x, as if a retry could fix it: {retried[0].strip()[:200]}")
             found += [f"{stage}: committed file damaged: {rel}" for rel in damaged(run_dir / "steps")]
             subprocess.run(["mount", "-o", f"remount,size={4 * sum(footprint.values())}", str(disk)], check=True)
             if start_pipeline(MICRO, run_dir, log).wait() != 0:

@@ -1,6 +1,12 @@
 """Errors a user can act on. Prefect tasks do not retry them: rerunning cannot fix the input."""
 
 import errno
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+FULL_BELOW = 2**20  # bytes: a folder left with less than this after a failed write ran out of room
 
 
 class SmolflowError(Exception):
@@ -44,3 +50,19 @@ def disk_full(err: BaseException) -> OSError | None:
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def full_disk(folders: Iterable[Path], err: BaseException | None = None) -> str | None:
+    """`FOLDER: N MiB free` when a write into FOLDERS failed (ERR) for want of room, else None. ERR may say so (ENOSPC
+    or EDQUOT, or their text in safetensors' error); torch.save's does not ("unexpected pos"), so the fullest folder
+    left with under FULL_BELOW free counts too. A DiskFull already names its folder and free space."""
+    if isinstance(err, DiskFull):
+        return str(err)
+    free = {folder: shutil.disk_usage(folder).free for folder in map(Path, folders) if folder.exists()}
+    if not free:
+        return None
+    folder = min(free, key=free.get)
+    said = err is not None and (disk_full(err) is not None or any(os.strerror(e) in str(err) for e in (errno.ENOSPC, errno.EDQUOT)))
+    if not said and free[folder] >= FULL_BELOW:
+        return None
+    return f"{folder}: {free[folder] / 2**20:.1f} MiB free" + (f" ({type(err).__name__}: {err})" if err is not None else "")

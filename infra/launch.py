@@ -22,11 +22,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from infra.env import thread_count
+from infra.errors import DiskFull, full_disk
 from infra.locks import lease_env, record_child
 from infra.procs import GRACE_ENV, REAP_GRACE_S, STOPPING, kill_tree, tethered
 from infra.recipe import AccelerateCfg, LauncherCfg
+from infra.storage import write_text_atomic
 
 POLL_S = 0.5  # how often a loop that waits on a job or trainer looks at STOPPING
+# the file a trainer rank leaves in its step folder when it stopped for want of disk: torchrun, accelerate and srun
+# report any failed rank as their own exit code, so the reason travels beside the exit, as PREEMPTED_MARK's does
+DISK_FULL_MARK = "disk_full"
 
 
 class Tail:
@@ -42,6 +47,28 @@ class Tail:
 
     def __str__(self) -> str:
         return ". Its last lines:\n" + "\n".join(self.lines) if self.lines else ""
+
+
+def mark_disk_full(err: BaseException, out: Path, folders: list[Path]) -> None:
+    """On a rank whose training raised ERR: when ERR is a full disk, leave OUT/DISK_FULL_MARK naming the folder and its
+    free space. If even that cannot be written, the folder is left with next to nothing, which `check_disk` sees."""
+    if (said := full_disk(folders, err)) is None:
+        return
+    try:
+        write_text_atomic(out / DISK_FULL_MARK, said + "\n")
+    except OSError as failed:
+        print(f"error: out of disk ({said}); {out / DISK_FULL_MARK} could not be written either: {failed}", flush=True)
+
+
+def check_disk(what: str, out: Path, folders: list[Path]) -> None:
+    """In the task, after its trainer failed: raise DiskFull (not retried: a retry would fill the same disk) when a rank
+    left DISK_FULL_MARK in OUT or one of FOLDERS is left full. The tasks remove the mark before they launch."""
+    mark = out / DISK_FULL_MARK
+    if (said := mark.read_text().strip() if mark.is_file() else full_disk(folders)) is not None:
+        raise DiskFull(
+            f"{what}: the trainer ran out of disk: {said}. The checkpoints it committed are kept: once there is room, "
+            "a rerun resumes from the newest"
+        )
 
 
 def free_port() -> int:

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from infra.env import skip_deepspeed_shm_build, thread_count
-from infra.errors import DiskFull
+from infra.errors import DiskFull, SmolflowError
+from infra.launch import mark_disk_full
 from infra.procs import PREEMPTED, PREEMPTED_MARK, die_with_parent, watch_owner
 from infra.recipe import S3Cfg, SpikeCfg
 from infra.steps import FINAL, METRICS, PHASE_SUMMARY
@@ -522,9 +523,10 @@ def save(engine, store: CheckpointStore, step: int, guard: SpikeGuard, position:
         try:  # about 16 bytes a parameter: fp32 weights, two Adam moments and the HF export
             store.make_room(16 * sum(q.numel() for q in engine.module.parameters()))
         except (DiskFull, MirrorBehind) as err:
-            problem = f"{type(err).__name__}: {err}"
-    if (problem := broadcast(problem)) is not None:  # every rank stops, or the others would wait in the save
-        print(f"error: cannot save checkpoint {tag}: {problem}", flush=True)
+            problem = err
+    if broadcast(problem is not None):  # every rank stops, or the others would wait in the save
+        if problem is not None:
+            raise problem  # main says why (rank 0)
         sys.exit(1)
     client = {"step": step, "rng": rng_state(), "skip_steps": sorted(guard.skip_steps), "loss_ema": guard.ema}
     engine.save_checkpoint(str(store.tmp_dir()), tag=tag, client_state=client, save_latest=False)
@@ -554,8 +556,15 @@ def main() -> None:
     parser.add_argument("job", type=Path, help="the phase's job.json")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher (LOCAL_RANK is used)")
     args = parser.parse_args()
+    job = TrainJob.model_validate_json(args.job.read_text())
     try:
-        train(TrainJob.model_validate_json(args.job.read_text()))
+        train(job)
+    except Exception as err:  # a full disk is said beside the exit, for the task to end without a retry
+        mark_disk_full(err, Path(job.out_dir), [Path(job.checkpoint_dir), Path(job.out_dir)])
+        if not isinstance(err, SmolflowError):
+            raise
+        print(f"error: {type(err).__name__}: {err}", flush=True)  # a message for the user: no traceback
+        sys.exit(1)
     finally:
         # an exit with the group still up can abort a rank (SIGABRT) while gloo's peers hang up
         if torch.distributed.is_initialized():

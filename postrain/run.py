@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from infra.env import skip_deepspeed_shm_build, skip_unused_imports
+from infra.launch import mark_disk_full
 from infra.procs import PREEMPTED, die_with_parent, watch_owner
 from infra.recipe import PostrainCfg
 from infra.storage import write_json_atomic
@@ -77,6 +78,9 @@ def main() -> None:
     except Stopped as stopped:  # signalled: a checkpoint is saved, every rank stopped at the same step
         print(stopped, flush=True)
         result = None
+    except Exception as err:  # a full disk is said beside the exit, for the task to end without a retry
+        mark_disk_full(err, Path(job.out), [Path(job.out)])
+        raise
     from accelerate import PartialState
 
     state = PartialState()

@@ -20,7 +20,7 @@ from prefect.artifacts import create_table_artifact
 from infra import rayjobs, slurm
 from infra.env import thread_count
 from infra.errors import SmolflowError, Stopped, TrainerFailed
-from infra.launch import Tail, free_port, launch_command, launch_env, run_streaming
+from infra.launch import DISK_FULL_MARK, Tail, check_disk, free_port, launch_command, launch_env, run_streaming
 from infra.procs import OWNER_ENV, PREEMPTED, STOPPING
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
 from infra.steps import CHECKPOINTS, JOB, PHASE_SUMMARY, StepOutput
@@ -203,6 +203,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
     )
     job_path = out / JOB
     job_path.write_text(job.model_dump_json(indent=2))
+    (out / DISK_FULL_MARK).unlink(missing_ok=True)  # an earlier attempt's: only this launch's may count
     launcher = cfg.launcher
     if launcher.kind == "ray":  # on the worker: one process, or torchrun's ranks
         launcher = launcher.model_copy(update={"kind": "python" if launcher.nproc == 1 else "torchrun"})
@@ -223,6 +224,8 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
         raise Stopped(f"pretrain {t.phase}: this process is stopping; the trainer checkpointed and exited: a relaunch resumes")
     if code == PREEMPTED:
         raise TrainerFailed(f"pretrain {t.phase}: the trainer was signalled (preemption, cancel), checkpointed and exited; a retry resumes")
+    if code != 0:
+        check_disk(f"pretrain {t.phase}", out, [Path(job.checkpoint_dir), out])
     if code != 0 or not summary.is_file():
         raise TrainerFailed(
             f"pretrain {t.phase}: trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint{tail}"

@@ -17,8 +17,8 @@ import psutil
 import pytest
 import torch
 
-from infra.errors import SmolflowError
-from infra.launch import launch_command, launch_env, run_streaming
+from infra.errors import DiskFull, SmolflowError
+from infra.launch import check_disk, launch_command, launch_env, run_streaming
 from infra.procs import PREEMPTED, kill_tree
 from infra.recipe import CheckpointCfg, LauncherCfg, ModelCfg
 from model.checkpoint import checkpoint_bytes, step_of
@@ -213,6 +213,8 @@ def test_a_small_disk_is_pruned_before_a_save_and_a_full_one_named(data, referen
     code = run_streaming(launch_command(launcher, "model.train", [str(job)], port=0), launch_env(launcher), lines.append)
     message = next((line for line in lines if "DiskFull" in line), "\n".join(lines[-10:]))
     assert code != 0 and str(full / "ckpt") in message and "MiB free, the next checkpoint needs about" in message
+    with pytest.raises(DiskFull, match=rf"pretrain s1: the trainer ran out of disk: {full / 'ckpt'}: \d+\.\d MiB free, the next"):
+        check_disk("pretrain s1", tmp_path / "full", [tmp_path / "full"])  # the disk that stopped it is named in the mark
 
 
 def test_long_context_phase_starts_from_previous_weights_and_exports_yarn(data, reference, tmp_path):

@@ -162,6 +162,45 @@ def test_a_full_disk_fails_a_step_or_a_result_naming_the_folder_and_its_free_spa
     assert results.get("f1") == first and not list((disk / "results").glob(".*.tmp"))
 
 
+def test_a_trainer_out_of_disk_ends_its_task_as_disk_full_naming_the_folder_whatever_its_writer_said(small_disk, tmp_path):
+    """A rank's failed write marks the step folder (launchers report any failed rank as exit 1), and the task turns the
+    mark into DiskFull, not a retried TrainerFailed: torch.save's error says nothing of the disk, safetensors' does."""
+    import torch
+    from safetensors.torch import save_file
+
+    from infra.launch import DISK_FULL_MARK, check_disk, mark_disk_full
+
+    out = tmp_path / "step"
+    out.mkdir()
+    mark_disk_full(ValueError("a bug"), out, [out])  # not a disk: the retry stays
+    check_disk("sft", out, [out])
+    assert not (out / DISK_FULL_MARK).exists()
+
+    full = small_disk(256 * 1024)
+    with pytest.raises(RuntimeError) as raised:
+        torch.save({"w": torch.zeros(2**17)}, full / "ckpt.pt")  # 512 KiB
+    assert "space" not in str(raised.value)
+    mark_disk_full(raised.value, out, [full, out])
+    with pytest.raises(DiskFull, match=rf"pretrain phase1: the trainer ran out of disk: {full}: 0\.0 MiB free \(RuntimeError"):
+        check_disk("pretrain phase1", out, [full, out])
+
+    (out / DISK_FULL_MARK).unlink()
+    roomy = small_disk(3 * 2**20)
+    with pytest.raises(Exception, match="No space left on device") as raised:
+        save_file({"w": torch.zeros(2**20)}, roomy / "model.safetensors")  # 4 MiB
+    assert shutil.disk_usage(roomy).free > 2**20, "only the error says the disk was full"
+    mark_disk_full(raised.value, out, [roomy])
+    with pytest.raises(DiskFull, match=rf"sft: the trainer ran out of disk: {roomy}: [23]\.\d MiB free \(SafetensorError"):
+        check_disk("sft", out, [roomy])
+
+    inside = full / "step"  # the mark itself finds no room: the task sees the disk
+    inside.mkdir()
+    mark_disk_full(raised.value, inside, [inside])
+    assert not (inside / DISK_FULL_MARK).exists()
+    with pytest.raises(DiskFull, match=rf"apo: the trainer ran out of disk: {inside}: 0\.0 MiB free\. The checkpoints"):
+        check_disk("apo", inside, [inside])
+
+
 def test_failed_build_leaves_no_finished_step(tmp_path):
     def crash(cfg, inputs, out):
         (out / "half.txt").write_text("half")
