@@ -27,6 +27,7 @@ from infra.storage import CorruptFile, Mirror, StorageError, file_digest, fsync_
 MARKER = "checkpoint.json"
 LATEST = "latest.json"
 EVALUATED = ".evaluated"  # ROOT/.evaluated/TAG: TAG was scored (see mark_evaluated)
+EVAL_WAIT_S = 600.0  # how long a save on a full disk waits for the evaluator to score the checkpoints held for it
 log = logging.getLogger(__name__)
 
 
@@ -186,7 +187,8 @@ class CheckpointStore:
 
     def make_room(self, estimate: int) -> None:
         """Rank 0, before a save: fail early when checkpoints wait on an unreachable mirror, prune so the
-        next checkpoint fits (the newest is always kept), or fail naming the folder and the space needed."""
+        next checkpoint fits (the newest is always kept, and those held for the evaluator, for up to EVAL_WAIT_S
+        while it scores them), or fail naming the folder and the space needed: a rerun with room scores the held."""
         waiting = [t for t in self.local_tags() if self.mirror is not None and t not in self._uploaded]
         if len(waiting) >= self.max_unmirrored:
             errors = "; ".join(sorted(set(self._failed.values()))) or "uploads still queued"
@@ -195,15 +197,25 @@ class CheckpointStore:
                 f"before the disk fills; they are kept and uploaded when the mirror is back (a retry resumes from {waiting[-1]})"
             )
         tags = self.local_tags()
-        need = max([checkpoint_bytes(self.root / t) for t in tags[-1:]] or [estimate])
-        if shutil.disk_usage(self.root).free < need * 1.1:
-            self.prune(keep=1, hold=0)
-        free = shutil.disk_usage(self.root).free
-        if free < need * 1.1:
+        need = 1.1 * max([checkpoint_bytes(self.root / t) for t in tags[-1:]] or [estimate])
+        deadline = time.monotonic() + EVAL_WAIT_S
+        while shutil.disk_usage(self.root).free < need:
+            self.prune(keep=1)  # those the evaluator has yet to score stay: their scores are the run's evidence
+            if shutil.disk_usage(self.root).free >= need or not self.unscored() or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)  # the evaluator may score one in a moment, and then it goes
+        if (free := shutil.disk_usage(self.root).free) < need:
+            held = f"; {', '.join(self.unscored())} wait for the evaluator to score them" if self.unscored() else ""
             raise DiskFull(
-                f"{self.root}: {free / 2**20:.1f} MiB free, the next checkpoint needs about {need * 1.1 / 2**20:.1f} MiB "
-                f"(kept: {', '.join(self.local_tags()) or 'none'}); free space there or move checkpoints to a larger disk"
+                f"{self.root}: {free / 2**20:.1f} MiB free, the next checkpoint needs about {need / 2**20:.1f} MiB "
+                f"(kept: {', '.join(self.local_tags()) or 'none'}{held}); free space there or move checkpoints to a larger disk"
             )
+
+    def unscored(self) -> list[str]:
+        """The checkpoints before the newest that `prune` holds for an evaluator that has not scored them yet."""
+        if not self.hold_unevaluated:
+            return []
+        return [t for t in self.local_tags()[:-1] if not (self.root / EVALUATED / t).exists()]
 
     def commit(self, tag: str, step: int, extra: dict[str, Any]) -> None:
         """Rank 0, after every rank saved into tmp_dir()/TAG: record, publish, then prune."""

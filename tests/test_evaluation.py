@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from flows.graph import build_graph
-from infra.errors import SmolflowError, StepLocked
+from infra.errors import DiskFull, SmolflowError, StepLocked
 from infra.recipe import EvalCfg, load_recipe, parse_recipe
 from infra.steps import Step, finished, run_step
 from infra.summaries import ChatDataSummary, HeldoutEval, PhaseSummary, Summary, TrainedSummary, outcomes
@@ -429,6 +429,31 @@ def test_prune_holds_checkpoints_until_evaluated_and_says_which_it_deleted_unsco
         store.prune()
     assert store.local_tags() == ["step00000004"]
     assert [r.getMessage().split()[:5] for r in caplog.records] == [["checkpoint", "step00000001", "deleted", "before", "the"]]
+
+
+def test_a_full_disk_waits_for_the_evaluator_to_score_what_it_holds_and_fails_keeping_it_when_none_comes(small_disk, caplog, monkeypatch):
+    """A save on a short disk deletes only scored checkpoints: a checkpoint the evaluator has yet to score goes once it
+    is scored (the save waits), and if the evaluator never comes the save fails, keeping it for a rerun to score."""
+    import model.checkpoint
+
+    store = CheckpointStore(small_disk(512 * 1024), keep_last=1, hold_unevaluated=2)
+
+    def save(step: int) -> None:
+        store.make_room(150 * 1024)
+        (store.tmp_dir() / f"step{step:08d}").mkdir(parents=True)
+        (store.tmp_dir() / f"step{step:08d}" / "w.bin").write_bytes(b"x" * 150 * 1024)
+        store.commit(f"step{step:08d}", step, {})
+
+    with caplog.at_level("WARNING", logger="model.checkpoint"):
+        save(1), save(2), save(3)  # the third fits beside the two held ones
+        threading.Timer(1.0, mark_evaluated, [store.root / "step00000001"]).start()
+        save(4)  # no room until step 1 is scored: waits, then deletes it
+        assert store.local_tags() == ["step00000002", "step00000003", "step00000004"] and not caplog.records
+
+        monkeypatch.setattr(model.checkpoint, "EVAL_WAIT_S", 1.5)
+        with pytest.raises(DiskFull, match=r"step00000002, step00000003 wait for the evaluator to score them\); free space"):
+            store.make_room(150 * 1024)
+    assert store.local_tags() == ["step00000002", "step00000003", "step00000004"] and not caplog.records
 
 
 def fake_checkpoint(stage_dir: Path, step: int) -> Path:
