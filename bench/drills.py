@@ -584,7 +584,7 @@ def stage_disk_drill(work: Path, stages: list[str]) -> tuple[list[str], list[str
                 found += [f"{stage}: {d}" for d in compare(final_metrics(reference), final_metrics(run_dir))]
         finally:
             subprocess.run(["umount", "-l", str(disk)], check=False)
-        message = named[0].split("DiskFull", 1)[1].strip(" :'(")[:100] if code and named else "-"
+        message = named[0].split("DiskFull", 1)[1].strip(" :'(").replace(str(disk), "<disk>")[:160] if code and named else "-"
         verdict = "OK: named, nothing committed damaged, the relaunch ends as the reference" if not found else "FAILED"
         rows.append(
             f"| full disk in {stage} | tmpfs of {size / 2**20:.0f} MiB, failed in {failed_in} (exit {code}): {message} "
