@@ -12,6 +12,7 @@ records the tether so the next holder stops a tree that still lives.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -162,6 +163,15 @@ def run_streaming(
             _stop(proc, grace_s)
             drain.join(timeout=5)
         proc.stdout.close()
+        if STOPPING.is_set():  # the process may end (a worker's SIGTERM) before its log handlers' next batch
+            flush_logs()  # ... and with it the ranks' last lines, which say where they checkpointed
+
+
+def flush_logs() -> None:
+    """Send every log line this process has queued now (Prefect's API handler ships them in batches)."""
+    loggers = [logging.getLogger(), *(x for x in logging.Logger.manager.loggerDict.values() if isinstance(x, logging.Logger))]
+    for handler in {h for x in loggers for h in x.handlers}:
+        handler.flush()
 
 
 def _stop(tether: subprocess.Popen, grace_s: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -19,7 +20,7 @@ import torch
 
 from infra.errors import DiskFull, SmolflowError
 from infra.launch import check_disk, launch_command, launch_env, run_streaming
-from infra.procs import PREEMPTED, kill_tree
+from infra.procs import PREEMPTED, STOPPING, kill_tree
 from infra.recipe import CheckpointCfg, LauncherCfg, ModelCfg
 from model.checkpoint import checkpoint_bytes, step_of
 from model.config import Schedule, TrainConfig, TrainJob
@@ -215,6 +216,34 @@ def test_a_small_disk_is_pruned_before_a_save_and_a_full_one_named(data, referen
     assert code != 0 and str(full / "ckpt") in message and "MiB free, the next checkpoint needs about" in message
     with pytest.raises(DiskFull, match=rf"pretrain s1: the trainer ran out of disk: {full / 'ckpt'}: \d+\.\d MiB free, the next"):
         check_disk("pretrain s1", tmp_path / "full", [tmp_path / "full"])  # the disk that stopped it is named in the mark
+
+
+def test_a_launch_that_ends_while_stopping_sends_the_ranks_last_lines_at_once():
+    """A cancelled flow process may end (the worker's SIGTERM) right after its trainer did, before Prefect's log handler
+    sends its next batch; the trainer's last line, where it checkpointed, was lost so. A launch that ends while the
+    process is STOPPING flushes every log handler once the ranks' lines are in."""
+
+    class Batched(logging.Handler):  # as Prefect's API handler: lines are queued, and sent on flush
+        def __init__(self):
+            super().__init__()
+            self.queued, self.sent = [], []
+
+        def emit(self, record):
+            self.queued.append(record.getMessage())
+
+        def flush(self):
+            self.sent, self.queued = self.sent + self.queued, []
+
+    handler, logger = Batched(), logging.getLogger("smolflow.tests.batched")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    STOPPING.set()
+    try:
+        code = run_streaming([sys.executable, "-c", "print('phase1: received SIGTERM: checkpoint step00000105 saved')"], {}, logger.info)
+    finally:
+        STOPPING.clear()
+        logger.removeHandler(handler)
+    assert code == 0 and handler.sent == ["phase1: received SIGTERM: checkpoint step00000105 saved"] and not handler.queued
 
 
 def test_long_context_phase_starts_from_previous_weights_and_exports_yarn(data, reference, tmp_path):
