@@ -11,6 +11,7 @@ records the tether so the next holder stops a tree that still lives.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -171,7 +172,8 @@ def flush_logs() -> None:
     """Send every log line this process has queued now (Prefect's API handler ships them in batches)."""
     loggers = [logging.getLogger(), *(x for x in logging.Logger.manager.loggerDict.values() if isinstance(x, logging.Logger))]
     for handler in {h for x in loggers for h in x.handlers}:
-        handler.flush()
+        with contextlib.suppress(Exception):  # a handler whose stream is closed: what the others send still counts
+            handler.flush()
 
 
 def _stop(tether: subprocess.Popen, grace_s: float) -> None:
