@@ -101,12 +101,13 @@ def skip_deepspeed_shm_build() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def skip_unused_imports() -> None:
+def skip_unused_imports(*also: str) -> None:
     """In a trainer rank, before transformers is first imported: its probes (`importlib.util.find_spec`) then find
     neither scikit-learn, which only assisted generation and GLUE metrics would use, nor scipy, which only the object
     detection losses would (`linear_sum_assignment`), and the rank starts ~3-4 CPU s sooner (docs/developing.md).
-    Not for a process that fits a swarm (lightgbm) or scores with lm-eval (its metrics)."""
-    for name in ("sklearn", "scipy"):
+    ALSO: more packages the rank never uses (`TrainerCfg.unused_modules`). Not for a process that fits a swarm
+    (lightgbm) or scores with lm-eval (its metrics)."""
+    for name in ("sklearn", "scipy", *also):
         sys.modules.setdefault(name, None)
 
 

@@ -524,6 +524,11 @@ class TrainerCfg(Strict):
         """The longest sequence a micro-step holds (the planner sizes activations by it)."""
         return self.max_length
 
+    def unused_modules(self) -> tuple[str, ...]:
+        """Installed packages this trainer's ranks never use, hidden from the probes that would import them anyway
+        (`infra.env.skip_unused_imports`)."""
+        return ()
+
 
 class SFTCfg(TrainerCfg):
     trainer: ClassVar[str] = "postrain.sft:run_sft"
@@ -587,6 +592,11 @@ class GRPOCfg(TrainerCfg):
 
     def longest(self) -> int:
         return self.max_length + self.max_completion_length
+
+    def unused_modules(self) -> tuple[str, ...]:
+        """vLLM, when rollouts use transformers' generate: TRL's GRPO module imports it whenever it is installed, 6-7 of
+        a rank's 14-15 CPU s of imports (docs/developing.md)."""
+        return ("vllm",) if self.backend == "transformers" else ()
 
     @model_validator(mode="after")
     def _grpo(self) -> GRPOCfg:

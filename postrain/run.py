@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from infra.env import skip_deepspeed_shm_build, skip_unused_imports
 from infra.launch import mark_disk_full
 from infra.procs import PREEMPTED, die_with_parent, watch_owner
-from infra.recipe import PostrainCfg
+from infra.recipe import PostrainCfg, TrainerCfg
 from infra.storage import write_json_atomic
 from postrain.common import Stopped, tracking_args
 from postrain.data import read_jsonl
@@ -36,6 +36,9 @@ class PostJob(BaseModel):
     out: str
     seed: int
     tracking: str | None = None  # the trackio project the trainer logs its curves to (None: metrics only in result.json)
+
+    def trainer_cfg(self) -> TrainerCfg:
+        return PostrainCfg.trainer_types()[self.stage].model_validate(self.config)
 
 
 def load_cpu_index_locations() -> None:
@@ -55,24 +58,24 @@ def load_cpu_index_locations() -> None:
 def run(job: PostJob) -> dict[str, Any]:
     """The job's trainer from the registry (infra/recipe.py `PostrainCfg.trainer_types`). Only its module is
     imported: TRL's GRPO module loads vLLM, 5-7 s more on every SFT or APO rank."""
-    cfg_cls = PostrainCfg.trainer_types()[job.stage]
-    module, function = cfg_cls.trainer.split(":")
+    cfg = job.trainer_cfg()
+    module, function = cfg.trainer.split(":")
     trainer = getattr(importlib.import_module(module), function)
     tracking = tracking_args(job.tracking, job.stage)
-    return trainer(job.model, read_jsonl(Path(job.data)), cfg_cls.model_validate(job.config), Path(job.out), job.seed, tracking)
+    return trainer(job.model, read_jsonl(Path(job.data)), cfg, Path(job.out), job.seed, tracking)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Train one post-training stage (a job file written by smolflow) on this rank.")
     parser.add_argument("job", type=Path, help="the step's job.json")
     args = parser.parse_args()
-    skip_unused_imports()  # this module imports no transformers; the trainer's, imported in `run`, does
+    job = PostJob.model_validate_json(args.job.read_text())
+    skip_unused_imports(*job.trainer_cfg().unused_modules())  # this module imports no transformers; the trainer's, in `run`, does
     die_with_parent()
     watch_owner()
     load_cpu_index_locations()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # `accelerate launch` with a DeepSpeed config
         skip_deepspeed_shm_build()
-    job = PostJob.model_validate_json(args.job.read_text())
     try:
         result = run(job)
     except Stopped as stopped:  # signalled: a checkpoint is saved, every rank stopped at the same step

@@ -532,6 +532,35 @@ def post_job(cfg, stage: str, trainer, model: Path, data: Path, out: Path):
     return PostJob(stage=stage, model=str(model), data=str(data), config=trainer.model_dump(), out=str(out), seed=cfg.seed)
 
 
+def test_a_grpo_rank_that_rolls_out_with_transformers_never_imports_vllm(tmp_path):
+    """TRL's GRPO module imports vLLM whenever it is installed: 6-7 CPU s of a rank's start-up for nothing when the
+    rollouts use transformers' generate. The rank's own start (`python -m postrain.run JOB`, run as `__main__`); its
+    prompts do not exist, so it stops once its trainer is imported and reads them, and says what it imported."""
+    import json
+    import subprocess
+    import sys
+
+    from postrain.run import PostJob
+
+    grpo = GRPOCfg(learning_rate=1e-3, max_steps=2, batch_size=8, num_generations=4, backend="transformers")
+    job = PostJob(stage="grpo", model=str(tmp_path), data=str(tmp_path / "no-prompts.jsonl"), config=grpo.model_dump(),
+                  out=str(tmp_path), seed=0)  # fmt: skip
+    (tmp_path / "job.json").write_text(job.model_dump_json())
+    rank = f"""
+import json, runpy, sys
+sys.argv = ["postrain.run", {str(tmp_path / "job.json")!r}]
+try:
+    runpy.run_module("postrain.run", run_name="__main__", alter_sys=True)
+except FileNotFoundError as err:
+    print(json.dumps({{"stopped": str(err), "modules": sorted(name for name, m in sys.modules.items() if m is not None)}}))
+"""
+    said = subprocess.run([sys.executable, "-c", rank], capture_output=True, text=True)
+    assert said.stdout, said.stderr[-2000:]
+    out = json.loads(said.stdout.splitlines()[-1])
+    assert "no-prompts.jsonl" in out["stopped"] and "trl.trainer.grpo_trainer" in out["modules"], "the rank imported its trainer"
+    assert not [m for m in out["modules"] if m.split(".")[0] == "vllm"]
+
+
 def in_this_process(cfg, stage: str, trainer, model: Path, data: Path, out: Path) -> dict:
     """The ranks' own function (postrain/run.py `run`) in this process on one rank's threads: the uninterrupted run a
     launched one is compared with, at the same global batch, without another launch (a rank's imports: ~15 CPU s)."""
