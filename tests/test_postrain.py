@@ -540,11 +540,8 @@ def test_a_grpo_rank_that_rolls_out_with_transformers_never_imports_vllm(tmp_pat
     import subprocess
     import sys
 
-    from postrain.run import PostJob
-
     grpo = GRPOCfg(learning_rate=1e-3, max_steps=2, batch_size=8, num_generations=4, backend="transformers")
-    job = PostJob(stage="grpo", model=str(tmp_path), data=str(tmp_path / "no-prompts.jsonl"), config=grpo.model_dump(),
-                  out=str(tmp_path), seed=0)  # fmt: skip
+    job = post_job(launched(1), "grpo", grpo, tmp_path, tmp_path / "no-prompts.jsonl", tmp_path)
     (tmp_path / "job.json").write_text(job.model_dump_json())
     rank = f"""
 import json, runpy, sys
