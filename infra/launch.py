@@ -26,7 +26,7 @@ from pathlib import Path
 from infra.env import thread_count
 from infra.errors import DiskFull, full_disk
 from infra.locks import lease_env, record_child
-from infra.procs import GRACE_ENV, REAP_GRACE_S, STOPPING, kill_tree, tethered
+from infra.procs import GRACE_ENV, REAP_GRACE_S, STOPPING, kill_tree, tethered, unseen_lines
 from infra.recipe import AccelerateCfg, LauncherCfg
 from infra.storage import write_text_atomic
 
@@ -141,13 +141,25 @@ def launch_env(cfg: LauncherCfg | AccelerateCfg, extra: dict[str, str] | None = 
 
 
 def run_streaming(
-    command: list[str], env: dict[str, str], on_line: Callable[[str], None], cwd: str | None = None, grace_s: float = 0
+    command: list[str],
+    env: dict[str, str],
+    on_line: Callable[[str], None],
+    cwd: str | None = None,
+    grace_s: float = 0,
+    log: Path | None = None,
 ) -> int:
     """Run `command`, passing each line of its output (stdout and stderr) to `on_line`; returns the exit code.
     Cancelled or interrupted, its ranks get SIGTERM and GRACE_S to checkpoint and exit before the tree is killed;
-    so too, in a thread beside the main one (where no signal's exception reaches), once the process is STOPPING."""
+    so too, in a thread beside the main one (where no signal's exception reaches), once the process is STOPPING.
+    LOG (the step's launch log) keeps every line, those said after this process was gone too, which the next
+    launch with that LOG passes to its `on_line` first (`infra.procs.unseen_lines`)."""
+    if log is not None:
+        for line in unseen_lines(log):
+            on_line(line)
     env = {**env, GRACE_ENV: str(grace_s)}
-    proc = subprocess.Popen(tethered(command), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    proc = subprocess.Popen(
+        tethered(command, log), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
     ended = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         threading.Thread(target=_stop_when_stopping, args=(proc, grace_s, on_line, ended), daemon=True).start()

@@ -3,13 +3,15 @@
 A pid alone names a process only while it lives: after it exits the kernel may give the number
 to another, so anything recorded to kill or wait for later is a `Proc` (host, pid, start time).
 
-`python -m infra.procs OWNER -- COMMAND...` is the tether (`tethered`): it runs COMMAND (a launcher:
+`python -m infra.procs OWNER [--log FILE] -- COMMAND...` is the tether (`tethered`): it runs COMMAND (a launcher:
 torchrun, deepspeed, or a lone rank) as its child and stops it when the thread that started the tether
 dies (PR_SET_PDEATHSIG) or when it is sent SIGTERM: the ranks get SIGTERM and the grace in SMOLFLOW_GRACE_S
 to checkpoint, then the tree is killed (`stop_tree`). So a cancel's grace holds even when the task process
 is SIGKILLed before it ends (Prefect's runner does, 30 s after its SIGTERM). The ranks watch the tether,
 named in SMOLFLOW_OWNER (`watch_owner`), because launchers start them in sessions and processes of their
-own where no signal follows; the launcher dies with the tether. `--while PID:START` runs COMMAND until
+own where no signal follows; the launcher dies with the tether. The tether relays their output to the task
+and to the step's launch log (`Relay`), so what ranks say while they checkpoint after the task died is kept,
+and never meets the task's broken pipe. `--while PID:START` runs COMMAND until
 a process that is not its parent exits (`guarded`).
 
 A flow process marks its tree: every process started after `reap_when_gone()` inherits SMOLFLOW_TREE
@@ -23,15 +25,19 @@ started with `detached(env)`, which drops the mark.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -289,14 +295,80 @@ def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKIL
         sys.exit(1)
 
 
-def tethered(command: list[str]) -> list[str]:
-    """COMMAND, run so that it is stopped when the calling thread dies (see module doc)."""
-    return [sys.executable, "-m", "infra.procs", str(os.getpid()), "--", *command]
+def tethered(command: list[str], log: Path | None = None) -> list[str]:
+    """COMMAND, run so that it is stopped when the calling thread dies, its output also appended to LOG (module doc)."""
+    return [sys.executable, "-m", "infra.procs", str(os.getpid()), *(["--log", str(log)] if log else []), "--", *command]
 
 
-def tether(owner_pid: int, command: list[str], poll_s: float = 0.5) -> int:
+# The tether's last line in a launch log when lines above it never reached the task (`Relay`, `unseen_lines`)
+UNSEEN_MARK = "[smolflow tether]"
+SHOWN_UNSEEN = 100  # at most this many of them are passed on by the next launch
+
+
+class Relay:
+    """The tether's copy of its command's output: to its own stdout, the task's pipe, and to LOG if given. Once the
+    task is gone (a broken pipe: Prefect's runner SIGKILLs a cancelled flow's process while its ranks still
+    checkpoint) the lines go on to LOG alone, counted by a last line for the next launch to pass on; the ranks, which
+    write to the tether, never meet the broken pipe (a rank's print would raise there)."""
+
+    def __init__(self, log: Path | None) -> None:
+        self.file = open(log, "a", encoding="utf-8") if log else None  # noqa: SIM115  closed by `close`
+        self.to_task, self.unseen = True, 0
+        self._mutex = threading.Lock()
+
+    def __call__(self, line: str) -> None:
+        with self._mutex:
+            self._to_task(line)
+            if self.file:
+                try:
+                    self.file.write(line + "\n")
+                    self.file.flush()
+                except OSError as err:  # a full disk: the ranks' output still flows, and the task hears why the log stops
+                    self.file = None
+                    self._to_task(f"{UNSEEN_MARK} the launch log stops here: {err}")
+
+    def _to_task(self, line: str) -> None:
+        if self.to_task:
+            try:
+                os.write(1, (line + "\n").encode(errors="replace"))
+            except OSError:  # EPIPE: the task is gone; what would still write there (a traceback) goes nowhere
+                self.to_task = False
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, 1)
+                os.dup2(null, 2)
+        self.unseen += not self.to_task
+
+    def copy(self, stream) -> None:
+        for line in stream:
+            self(line.rstrip("\n"))
+
+    def close(self, code: int) -> None:
+        if self.file:
+            with contextlib.suppress(OSError):
+                if self.unseen:
+                    self.file.write(f"{UNSEEN_MARK} {self.unseen} line(s) above never reached the task; exit code {code}\n")
+                self.file.close()
+
+
+def unseen_lines(log: Path) -> list[str]:
+    """The lines the last launch that logged to LOG wrote after its task was gone, led by one that says so (its tether
+    counted them, `Relay`); [] when its task received every line, or there was no such launch."""
+    if not log.is_file():
+        return []
+    with open(log, encoding="utf-8", errors="replace") as f:
+        tail = [line.rstrip("\n") for line in deque(f, maxlen=SHOWN_UNSEEN + 1)]
+    counted = re.match(rf"{re.escape(UNSEEN_MARK)} (\d+) line", tail[-1]) if tail else None
+    if counted is None:
+        return []
+    count = int(counted.group(1))
+    shown = tail[-1 - min(count, SHOWN_UNSEEN) : -1]
+    return [f"the previous launch's last {count} line(s) never reached its task (it was gone); from {log}:", *shown]
+
+
+def tether(owner_pid: int, command: list[str], poll_s: float = 0.5, log: Path | None = None) -> int:
     """Run COMMAND as a child until it exits, or until OWNER_PID's thread dies or this process gets SIGTERM; then
-    `stop_tree` it with the grace in GRACE_ENV. Returns its exit code (see module doc)."""
+    `stop_tree` it with the grace in GRACE_ENV. Its output is relayed (`Relay`, to LOG too). Returns its exit code
+    (see module doc)."""
     import subprocess
 
     stopping = threading.Event()
@@ -305,12 +377,26 @@ def tether(owner_pid: int, command: list[str], poll_s: float = 0.5) -> int:
     signal.signal(signal.SIGINT, lambda *_: None)
     die_with_parent(owner_pid, signal.SIGTERM)
     me = os.getpid()
-    child = subprocess.Popen(command, env={**os.environ, OWNER_ENV: Proc.of().token}, preexec_fn=lambda: die_with_parent(me))
+    relay = Relay(log)
+    child = subprocess.Popen(
+        command,
+        env={**os.environ, OWNER_ENV: Proc.of().token},
+        preexec_fn=lambda: die_with_parent(me),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
+    copier = threading.Thread(target=relay.copy, args=(child.stdout,), daemon=True)
+    copier.start()
     while child.poll() is None:
         if stopping.wait(poll_s):
-            stop_tree(child.pid, command, float(os.environ.get(GRACE_ENV, 0)), lambda line: print(line, flush=True))
+            stop_tree(child.pid, command, float(os.environ.get(GRACE_ENV, 0)), relay)
             break
-    return child.wait()
+    code = child.wait()
+    copier.join(timeout=REAP_GRACE_S)  # the last lines; a stray process still holding the pipe is not waited for
+    relay.close(code)
+    return code
 
 
 def guarded(server: Proc, command: list[str]) -> list[str]:
@@ -351,10 +437,13 @@ def main() -> None:
         if sep != "--" or not command:
             sys.exit("usage: python -m infra.procs --while PID:START -- COMMAND...")
         sys.exit(run_while(Proc.parse(watched), command))
-    parent, sep, *command = sys.argv[1:]
-    if sep != "--" or not command:
-        sys.exit("usage: python -m infra.procs OWNER_PID -- COMMAND...")
-    code = tether(int(parent), command)
+    parent, *rest = sys.argv[1:] or [""]
+    log = None
+    if rest[:1] == ["--log"] and len(rest) > 1:
+        log, rest = Path(rest[1]), rest[2:]
+    if rest[:1] != ["--"] or len(rest) < 2:
+        sys.exit("usage: python -m infra.procs OWNER_PID [--log FILE] -- COMMAND...")
+    code = tether(int(parent), rest[1:], log=log)
     if code < 0:  # killed by a signal: end the same way, so the owner reads what it would have read from COMMAND
         if -code != signal.SIGKILL:
             signal.signal(-code, signal.SIG_DFL)  # our own handler, SIGTERM's, must not catch it

@@ -73,6 +73,7 @@ _OWNER_FILE = ".recipe_owner"  # the flow run that froze recipe.json: its retrie
 CHECKPOINTS = "checkpoints"  # STEP/checkpoints: a trainer's saved states (and on the mirror: NAME-ID/checkpoints)
 UNTRACKED_DIRS = ("logs", CHECKPOINTS)
 JOB = "job.json"  # STEP/job.json: what the step's launched trainer was asked to do
+LAUNCH_LOG = "launch.log"  # STEP/launch.log: every line its trainer's launches said, after their task was gone too
 LAUNCH_CONFIG = "accelerate.json"  # STEP/accelerate.json: accelerate's config for a post-training launch
 METRICS = "metrics.jsonl"  # STEP/metrics.jsonl: a pretraining trainer's losses, times and throughput, a line a log
 PHASE_SUMMARY = "summary.json"  # STEP/summary.json: what a pretraining trainer writes last, once its phase is done
@@ -81,7 +82,7 @@ TRL_ARGS = "training_args.bin"  # STEP/final/training_args.bin: TRL's pickled tr
 # A build's traces, by file name: how it ran, not what it hands downstream. They hold this machine's paths (the job,
 # TRL's arguments) or times (metrics, summaries, the card): left out of the fingerprint, a rebuild that gives the
 # same weights and data gives the steps downstream the same ids (a checkout, a store or a run dir elsewhere too).
-TRACES = frozenset({MANIFEST, JOB, LAUNCH_CONFIG, METRICS, PHASE_SUMMARY, CARD, TRL_ARGS})
+TRACES = frozenset({MANIFEST, JOB, LAUNCH_LOG, LAUNCH_CONFIG, METRICS, PHASE_SUMMARY, CARD, TRL_ARGS})
 log = logging.getLogger(__name__)
 
 

@@ -24,7 +24,7 @@ from infra.errors import TrainerFailed
 from infra.launch import DISK_FULL_MARK, Tail, accelerate_command, check_disk, free_port, launch_env, run_streaming
 from infra.procs import PREEMPTED
 from infra.recipe import AccelerateCfg, ChatDataCfg, GenerationCfg, PreferenceCfg, Recipe, Strict, TrainerCfg, operational
-from infra.steps import FINAL, JOB, LAUNCH_CONFIG, NoInputs, Step, StepOutput
+from infra.steps import FINAL, JOB, LAUNCH_CONFIG, LAUNCH_LOG, NoInputs, Step, StepOutput
 from infra.storage import write_json_atomic
 from infra.summaries import ChatDataSummary, HeldoutEval, PreferenceSummary, TrainedSummary
 from postrain import data as chat
@@ -137,7 +137,7 @@ def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, dat
     tracking = tracking_env(run_dir or out) if cfg.tracking else {}
     env = launch_env(cfg.launcher, {"TQDM_MININTERVAL": "15", **tracking})  # progress every 15 s
     tail = Tail(log.info)
-    code = run_streaming(command, env, tail, grace_s=cfg.launcher.stop_grace_s)
+    code = run_streaming(command, env, tail, grace_s=cfg.launcher.stop_grace_s, log=out / LAUNCH_LOG)
     if code == PREEMPTED:
         raise TrainerFailed(f"{stage}: the trainer was signalled (cancel, preemption), checkpointed and exited; a retry resumes")
     if code != 0:

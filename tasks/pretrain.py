@@ -23,7 +23,7 @@ from infra.errors import SmolflowError, Stopped, TrainerFailed
 from infra.launch import DISK_FULL_MARK, Tail, check_disk, free_port, launch_command, launch_env, run_streaming
 from infra.procs import OWNER_ENV, PREEMPTED, STOPPING
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
-from infra.steps import CHECKPOINTS, JOB, PHASE_SUMMARY, StepOutput
+from infra.steps import CHECKPOINTS, JOB, LAUNCH_LOG, PHASE_SUMMARY, StepOutput
 from infra.storage import write_json_atomic
 from infra.summaries import PhaseSummary
 from model.config import Schedule, TrainConfig, TrainJob
@@ -217,7 +217,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
         code = (
             run_ray_task(cfg.launcher, out, command, env)
             if cfg.launcher.kind == "ray"
-            else run_streaming(command, env, tail, grace_s=cfg.launcher.stop_grace_s)
+            else run_streaming(command, env, tail, grace_s=cfg.launcher.stop_grace_s, log=out / LAUNCH_LOG)
         )
     summary = out / PHASE_SUMMARY  # written last, by rank 0, once the phase is done
     if code == PREEMPTED and STOPPING.is_set():

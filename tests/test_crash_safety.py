@@ -20,10 +20,11 @@ import psutil
 import pytest
 
 from infra.errors import DataError, StepLocked
+from infra.launch import run_streaming
 from infra.locks import acquire
 from infra.procs import HOST, Proc
 from infra.recipe import S3Cfg
-from infra.steps import JOB, MANIFEST, Step, fingerprint_tree, run_step
+from infra.steps import JOB, LAUNCH_LOG, MANIFEST, Step, fingerprint_tree, run_step
 from infra.storage import CorruptFile, Mirror, StorageError, download_folder, inside, temporaries
 from model.checkpoint import MARKER, CheckpointStore, MirrorBehind
 from tests.conftest import free_port
@@ -385,13 +386,17 @@ TOY_RANK = textwrap.dedent(
     (out / f"stopping.{{rank}}").touch()
     time.sleep({SAVE_S})  # the checkpoint
     (out / f"saved.{{rank}}").touch()
+    print(f"rank {{rank}}: checkpoint saved", flush=True)  # the task that launched it is gone by now
+    (out / f"said.{{rank}}").touch()
     sys.exit(75)
     """
 )
 CANCELLED_TASK = textwrap.dedent(
     """
     import signal, sys
+    from pathlib import Path
     from infra.launch import launch_command, launch_env, run_streaming
+    from infra.steps import LAUNCH_LOG
     from infra.procs import reap_when_gone
     from infra.recipe import LauncherCfg
 
@@ -400,7 +405,8 @@ CANCELLED_TASK = textwrap.dedent(
         raise SystemExit("cancelled")
     signal.signal(signal.SIGTERM, cancelled)
     launcher = LauncherCfg(kind="torchrun", nproc=2)
-    run_streaming(launch_command(launcher, "toy_rank", [sys.argv[1]], int(sys.argv[2])), launch_env(launcher), print, grace_s=60)
+    command = launch_command(launcher, "toy_rank", [sys.argv[1]], int(sys.argv[2]))
+    run_streaming(command, launch_env(launcher), print, grace_s=60, log=Path(sys.argv[1]) / LAUNCH_LOG)
     """
 )
 
@@ -426,6 +432,17 @@ def test_a_cancelled_task_sigkilled_mid_grace_still_gives_its_ranks_the_grace_to
     _, alive = psutil.wait_procs(tree, timeout=SAVE_S + 30)
     assert sorted(p.name for p in tmp_path.glob("saved.*")) == ["saved.0", "saved.1"], "both ranks finished their checkpoint"
     assert not alive, f"left running: {alive}"
+    # what the ranks said after the task was gone: written without error (no broken pipe), kept in the launch log,
+    # and passed on by the next launch in that folder, which the relaunch's log then shows
+    assert sorted(p.name for p in tmp_path.glob("said.*")) == ["said.0", "said.1"], "a rank's output failed once the task was gone"
+    lines: list[str] = []
+    run_streaming([sys.executable, "-c", "print('relaunched')"], dict(os.environ), lines.append, log=tmp_path / LAUNCH_LOG)
+    unseen = lines[: lines.index("relaunched")]
+    assert "never reached its task" in unseen[0] and {"rank 0: checkpoint saved", "rank 1: checkpoint saved"} <= set(unseen), lines
+    assert lines[-1] == "relaunched"
+    lines.clear()
+    run_streaming([sys.executable, "-c", "print('again')"], dict(os.environ), lines.append, log=tmp_path / LAUNCH_LOG)
+    assert lines == ["again"], "lines a task received are not passed on again"
 
 
 def test_daemons_and_jobs_meant_to_outlive_a_flow_are_started_without_its_tree_mark(tmp_path, monkeypatch):
