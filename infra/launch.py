@@ -24,9 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from infra.env import thread_count
-from infra.errors import DiskFull, full_disk
+from infra.errors import DiskFull, Stopped, full_disk
 from infra.locks import lease_env, record_child
-from infra.procs import GRACE_ENV, REAP_GRACE_S, STOPPING, kill_tree, tethered, unseen_lines
+from infra.procs import GRACE_ENV, PREEMPTED, REAP_GRACE_S, STOPPING, kill_tree, tethered, unseen_lines
 from infra.recipe import AccelerateCfg, LauncherCfg
 from infra.storage import write_text_atomic
 
@@ -138,6 +138,15 @@ def launch_env(cfg: LauncherCfg | AccelerateCfg, extra: dict[str, str] | None = 
     if isinstance(cfg, LauncherCfg) and cfg.kind == "python":  # a lone process still needs a rendezvous, or DeepSpeed tries MPI discovery
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     return env
+
+
+def raise_if_stopped(what: str, code: int) -> None:
+    """End the task of a launch that ended because this process is stopping (`STOPPING`: a thread's launch, an
+    ablation's run, a swarm's proxy) as Stopped, which is not retried: its ranks checkpointed (PREEMPTED) or were
+    killed once their grace ran out, and a relaunch resumes from the newest checkpoint."""
+    if code != 0 and STOPPING.is_set():
+        how = "checkpointed and exited" if code == PREEMPTED else f"was stopped (exit {code})"
+        raise Stopped(f"{what}: this process is stopping; the trainer {how}: a relaunch resumes")
 
 
 def run_streaming(

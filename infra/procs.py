@@ -245,16 +245,18 @@ def stop(procs: list[psutil.Process]) -> None:
             alive.remove(proc)
 
 
-def stop_tree(pid: int, command: list[str], grace_s: float, say: Callable[[str], None]) -> None:
+def stop_tree(pid: int, command: list[str], grace_s: float, say: Callable[[str], None]) -> int | None:
     """SIGTERM the ranks under PID (the deepest processes running COMMAND's module, below any launcher), wait up to
     GRACE_S for them to checkpoint and exit, then kill the whole tree. The launchers in between are not signalled:
-    their death would kill the ranks at once."""
+    their death would kill the ranks at once. Returns PID's exit code when PID is this process's child: psutil's
+    wait reaps it, and `Popen.wait` can then only say 0 (a rank that checkpointed and exited PREEMPTED read as done)."""
     flags = [i for i, arg in enumerate(command[:-1]) if arg in ("-m", "--module")]
     module = command[flags[-1] + 1] if flags else None  # the last: torchrun is itself `-m torch.distributed.run`
     try:
-        tree = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
+        root = psutil.Process(pid)
+        tree = root.children(recursive=True) + [root]
     except psutil.NoSuchProcess:
-        return
+        return None
     runs = [p for p in tree if module and _runs(p, module)]
     ranks = [p for p in runs if not any(_runs(c, module) for c in _children(p))]
     if ranks and grace_s > 0:
@@ -267,7 +269,11 @@ def stop_tree(pid: int, command: list[str], grace_s: float, say: Callable[[str],
         _, alive = psutil.wait_procs(ranks, timeout=grace_s)
         if alive:
             say(f"stopping: {len(alive)} rank(s) still running after {grace_s:.0f} s: killed")
-    kill_tree(pid)
+    kill_tree(root)  # the same object: the exit code its wait took is kept on it
+    try:
+        return root.wait(0)
+    except psutil.TimeoutExpired:
+        return None
 
 
 def _runs(proc: psutil.Process, module: str) -> bool:
@@ -300,8 +306,9 @@ def tethered(command: list[str], log: Path | None = None) -> list[str]:
     return [sys.executable, "-m", "infra.procs", str(os.getpid()), *(["--log", str(log)] if log else []), "--", *command]
 
 
-# The tether's last line in a launch log when lines above it never reached the task (`Relay`, `unseen_lines`)
-UNSEEN_MARK = "[smolflow tether]"
+# How the tether's own lines in a launch log begin: each launch's first, and a last one counting the lines the task
+# never received (`Relay`, `unseen_lines`)
+TETHER_MARK = "[smolflow tether]"
 SHOWN_UNSEEN = 100  # at most this many of them are passed on by the next launch
 
 
@@ -311,10 +318,13 @@ class Relay:
     checkpoint) the lines go on to LOG alone, counted by a last line for the next launch to pass on; the ranks, which
     write to the tether, never meet the broken pipe (a rank's print would raise there)."""
 
-    def __init__(self, log: Path | None) -> None:
+    def __init__(self, log: Path | None, command: list[str]) -> None:
         self.file = open(log, "a", encoding="utf-8") if log else None  # noqa: SIM115  closed by `close`
         self.to_task, self.unseen = True, 0
         self._mutex = threading.Lock()
+        if self.file:  # each launch's lines under a line of its own: a step's retries append to one log
+            self.file.write(f"{TETHER_MARK} {time.strftime('%Y-%m-%d %H:%M:%S')} launched: {' '.join(command)}\n")
+            self.file.flush()
 
     def __call__(self, line: str) -> None:
         with self._mutex:
@@ -325,7 +335,7 @@ class Relay:
                     self.file.flush()
                 except OSError as err:  # a full disk: the ranks' output still flows, and the task hears why the log stops
                     self.file = None
-                    self._to_task(f"{UNSEEN_MARK} the launch log stops here: {err}")
+                    self._to_task(f"{TETHER_MARK} the launch log stops here: {err}")
 
     def _to_task(self, line: str) -> None:
         if self.to_task:
@@ -343,11 +353,14 @@ class Relay:
             self(line.rstrip("\n"))
 
     def close(self, code: int) -> None:
-        if self.file:
+        """The log's last line counts the lines the task never received; a stray process still writing is not logged."""
+        with self._mutex:
+            file, self.file = self.file, None
+        if file:
             with contextlib.suppress(OSError):
                 if self.unseen:
-                    self.file.write(f"{UNSEEN_MARK} {self.unseen} line(s) above never reached the task; exit code {code}\n")
-                self.file.close()
+                    file.write(f"{TETHER_MARK} {self.unseen} line(s) above never reached the task; exit code {code}\n")
+                file.close()
 
 
 def unseen_lines(log: Path) -> list[str]:
@@ -357,7 +370,7 @@ def unseen_lines(log: Path) -> list[str]:
         return []
     with open(log, encoding="utf-8", errors="replace") as f:
         tail = [line.rstrip("\n") for line in deque(f, maxlen=SHOWN_UNSEEN + 1)]
-    counted = re.match(rf"{re.escape(UNSEEN_MARK)} (\d+) line", tail[-1]) if tail else None
+    counted = re.match(rf"{re.escape(TETHER_MARK)} (\d+) line", tail[-1]) if tail else None
     if counted is None:
         return []
     count = int(counted.group(1))
@@ -377,23 +390,24 @@ def tether(owner_pid: int, command: list[str], poll_s: float = 0.5, log: Path | 
     signal.signal(signal.SIGINT, lambda *_: None)
     die_with_parent(owner_pid, signal.SIGTERM)
     me = os.getpid()
-    relay = Relay(log)
+    relay = Relay(log, command)
     child = subprocess.Popen(
         command,
         env={**os.environ, OWNER_ENV: Proc.of().token},
         preexec_fn=lambda: die_with_parent(me),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
+        encoding="utf-8",
         errors="replace",
     )
     copier = threading.Thread(target=relay.copy, args=(child.stdout,), daemon=True)
     copier.start()
+    stopped = None
     while child.poll() is None:
         if stopping.wait(poll_s):
-            stop_tree(child.pid, command, float(os.environ.get(GRACE_ENV, 0)), relay)
+            stopped = stop_tree(child.pid, command, float(os.environ.get(GRACE_ENV, 0)), relay)
             break
-    code = child.wait()
+    code = child.wait() if stopped is None else stopped
     copier.join(timeout=REAP_GRACE_S)  # the last lines; a stray process still holding the pipe is not waited for
     relay.close(code)
     return code

@@ -21,7 +21,7 @@ from prefect.artifacts import create_table_artifact
 from pydantic import create_model
 
 from infra.errors import TrainerFailed
-from infra.launch import DISK_FULL_MARK, Tail, accelerate_command, check_disk, free_port, launch_env, run_streaming
+from infra.launch import DISK_FULL_MARK, Tail, accelerate_command, check_disk, free_port, launch_env, raise_if_stopped, run_streaming
 from infra.procs import PREEMPTED
 from infra.recipe import AccelerateCfg, ChatDataCfg, GenerationCfg, PreferenceCfg, Recipe, Strict, TrainerCfg, operational
 from infra.steps import FINAL, JOB, LAUNCH_CONFIG, LAUNCH_LOG, NoInputs, Step, StepOutput
@@ -138,6 +138,7 @@ def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, dat
     env = launch_env(cfg.launcher, {"TQDM_MININTERVAL": "15", **tracking})  # progress every 15 s
     tail = Tail(log.info)
     code = run_streaming(command, env, tail, grace_s=cfg.launcher.stop_grace_s, log=out / LAUNCH_LOG)
+    raise_if_stopped(stage, code)
     if code == PREEMPTED:
         raise TrainerFailed(f"{stage}: the trainer was signalled (cancel, preemption), checkpointed and exited; a retry resumes")
     if code != 0:

@@ -19,9 +19,9 @@ from prefect.artifacts import create_table_artifact
 
 from infra import rayjobs, slurm
 from infra.env import thread_count
-from infra.errors import SmolflowError, Stopped, TrainerFailed
-from infra.launch import DISK_FULL_MARK, Tail, check_disk, free_port, launch_command, launch_env, run_streaming
-from infra.procs import OWNER_ENV, PREEMPTED, STOPPING
+from infra.errors import SmolflowError, TrainerFailed
+from infra.launch import DISK_FULL_MARK, Tail, check_disk, free_port, launch_command, launch_env, raise_if_stopped, run_streaming
+from infra.procs import OWNER_ENV, PREEMPTED
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
 from infra.steps import CHECKPOINTS, JOB, LAUNCH_LOG, PHASE_SUMMARY, StepOutput
 from infra.storage import write_json_atomic
@@ -220,8 +220,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
             else run_streaming(command, env, tail, grace_s=cfg.launcher.stop_grace_s, log=out / LAUNCH_LOG)
         )
     summary = out / PHASE_SUMMARY  # written last, by rank 0, once the phase is done
-    if code == PREEMPTED and STOPPING.is_set():
-        raise Stopped(f"pretrain {t.phase}: this process is stopping; the trainer checkpointed and exited: a relaunch resumes")
+    raise_if_stopped(f"pretrain {t.phase}", code)
     if code == PREEMPTED:
         raise TrainerFailed(f"pretrain {t.phase}: the trainer was signalled (preemption, cancel), checkpointed and exited; a retry resumes")
     if code != 0:

@@ -445,6 +445,51 @@ def test_a_cancelled_task_sigkilled_mid_grace_still_gives_its_ranks_the_grace_to
     assert lines == ["again"], "lines a task received are not passed on again"
 
 
+STOPPED_RANK = textwrap.dedent(
+    """
+    import signal, sys, time
+    if sys.argv[1] == "checkpoints":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))  # as a trainer does once its checkpoint is saved
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # still saving when the grace ends
+    print("training", flush=True)
+    time.sleep(120)
+    """
+)
+
+
+@pytest.mark.parametrize("rank", ["checkpoints", "overruns"])
+def test_a_launch_stopped_from_a_thread_returns_its_ranks_own_exit(tmp_path, rank):
+    """A thread's launch (an ablation's run, a swarm's proxy) stopped through STOPPING returns what its rank did: the
+    checkpoint's PREEMPTED or SIGKILL once the grace ran out, and its task ends as Stopped instead of retrying.
+    (The tether's wait for the rank reaped it, after which it reported every stopped launch as exit 0.)"""
+    import threading
+
+    from infra.errors import Stopped
+    from infra.launch import raise_if_stopped
+    from infra.procs import PREEMPTED, STOPPING
+
+    (tmp_path / "stopped_rank.py").write_text(STOPPED_RANK)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
+    codes: list[int] = []
+
+    def on_line(line: str) -> None:
+        if line == "training":
+            STOPPING.set()
+
+    launch = threading.Thread(
+        target=lambda: codes.append(run_streaming([sys.executable, "-m", "stopped_rank", rank], env, on_line, grace_s=2))
+    )
+    try:
+        launch.start()
+        launch.join(timeout=60)
+        assert codes == ([PREEMPTED] if rank == "checkpoints" else [-signal.SIGKILL])
+        with pytest.raises(Stopped, match="apo: this process is stopping; the trainer (checkpointed|was stopped)"):
+            raise_if_stopped("apo", codes[0])  # which the task raises: no retry while its process stops
+    finally:
+        STOPPING.clear()
+
+
 def test_daemons_and_jobs_meant_to_outlive_a_flow_are_started_without_its_tree_mark(tmp_path, monkeypatch):
     """The reaper kills what carries a dead flow process's mark: the local server and worker, Slurm's and Ray's
     daemons and Slurm jobs (which a relaunch follows by name) must not carry it."""
