@@ -298,7 +298,7 @@ def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKIL
     except OSError:
         pass
     if os.getppid() == 1 or (expected_parent is not None and os.getppid() != expected_parent):
-        sys.exit(1)
+        sys.exit(f"{' '.join(sys.argv)}: the process that started it is gone (its parent is pid {os.getppid()}): not run")
 
 
 def tethered(command: list[str], log: Path | None = None) -> list[str]:
@@ -442,22 +442,26 @@ def run_while(watched: Proc, command: list[str], poll_s: float = 1.0) -> int:
     return child.wait()
 
 
+USAGE = """usage (smolflow starts these itself):
+  python -m infra.procs OWNER_PID [--log FILE] -- COMMAND...   run COMMAND tethered to OWNER_PID (`tether`)
+  python -m infra.procs --while PID:START -- COMMAND...        run COMMAND while that process lives (`run_while`)
+  python -m infra.procs --reap PID:START                       once that process is gone, stop what carries its mark"""
+
+
 def main() -> None:
-    if sys.argv[1:2] == ["--reap"]:
-        reap(sys.argv[2])
+    args = sys.argv[1:]
+    proc_token = re.compile(r"\d+:\d+").fullmatch
+    if args[:1] == ["--reap"] and len(args) == 2 and proc_token(args[1]):
+        reap(args[1])
         return
-    if sys.argv[1:2] == ["--while"]:
-        _, watched, sep, *command = sys.argv[1:]
-        if sep != "--" or not command:
-            sys.exit("usage: python -m infra.procs --while PID:START -- COMMAND...")
-        sys.exit(run_while(Proc.parse(watched), command))
-    parent, *rest = sys.argv[1:] or [""]
-    log = None
+    if args[:1] == ["--while"] and len(args) > 3 and proc_token(args[1]) and args[2] == "--":
+        sys.exit(run_while(Proc.parse(args[1]), args[3:]))
+    parent, log, rest = args[:1], None, args[1:]
     if rest[:1] == ["--log"] and len(rest) > 1:
         log, rest = Path(rest[1]), rest[2:]
-    if rest[:1] != ["--"] or len(rest) < 2:
-        sys.exit("usage: python -m infra.procs OWNER_PID [--log FILE] -- COMMAND...")
-    code = tether(int(parent), rest[1:], log=log)
+    if not parent or not parent[0].isdigit() or rest[:1] != ["--"] or len(rest) < 2:
+        sys.exit(USAGE)
+    code = tether(int(parent[0]), rest[1:], log=log)
     if code < 0:  # killed by a signal: end the same way, so the owner reads what it would have read from COMMAND
         if -code != signal.SIGKILL:
             signal.signal(-code, signal.SIG_DFL)  # our own handler, SIGTERM's, must not catch it

@@ -28,7 +28,7 @@ from tasks.evaluation import harness
 from tasks.evaluation.harness import EvalJob, EvalWorker, kept_worker, prepare_tasks
 from tasks.evaluation.plots import inline
 from tasks.evaluation.report import build_report, phase_ends
-from tasks.evaluation.results import ModelRef, ResultStore, local_fingerprint, models_in_run, scoring_key
+from tasks.evaluation.results import ITEMS, ModelRef, ResultStore, local_fingerprint, models_in_run, scoring_key
 from tasks.evaluation.runner import Evaluator
 from tests.helpers import REPO, micro_recipe
 
@@ -310,10 +310,11 @@ def test_the_follower_scores_successive_batches_in_one_child_and_a_dead_child_is
     assert worker.launches == 3 and scored["metrics"]["smol_arithmetic_cf"]["acc"] == first["acc"]
 
 
-def test_evaluations_in_one_process_share_one_child_across_stages_and_runs_and_another_config_ends_it(tmp_path, heldout):
+def test_evaluations_in_one_process_share_one_child_across_stages_runs_and_configs_and_another_priority_ends_it(tmp_path, heldout):
     """SFT, APO, GRPO and the evaluate stage each score their model alone, and so does each run of an ablation or a
-    swarm in its thread: one child's imports (~12 s of CPU), not one per stage and run. The child outlives the thread
-    that started it (it dies with its parent thread: the first kept child was SIGKILLed when its run's thread ended)."""
+    swarm in its thread: one child's imports (~12 s of CPU), not one per stage, run or config (each batch brings its
+    own). The child outlives the thread that started it (it dies with its parent thread: the first kept child was
+    SIGKILLed when its run's thread ended)."""
     cfg = EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=2)
     folders = [save_micro_model(tmp_path / f"model{i}", seed=20 + i) for i in (1, 2, 3)]
     refs = [ModelRef(str(f), local_fingerprint(f), f"m{i}", "model", f"m{i}") for i, f in enumerate(folders, 1)]
@@ -334,9 +335,15 @@ def test_evaluations_in_one_process_share_one_child_across_stages_and_runs_and_a
     assert all(w is workers[0] for w in workers) and workers[0].launches == 1 and workers[0].proc.poll() is None
     record = ResultStore(str(tmp_path / "other" / "results")).get(refs[2].fingerprint)
     assert record["tasks"]["smol_arithmetic_cf"]["metrics"]["acc"] >= 0, "the other run's model, in its own store"
-    other, include = cfg.model_copy(update={"limit": 3}), tmp_path / "other" / "tasks"
-    elsewhere = Evaluator(other, ResultStore(str(tmp_path / "x" / "results")), include, tmp_path / "x" / "work", log, alone=True)
-    assert elsewhere.worker is not workers[0] and workers[0].proc is None, "another config's evaluation ends the idle child"
+    items = lambda store, ref: store.get(ref.fingerprint)["tasks"]["smol_arithmetic_cf"][ITEMS]["id"]  # noqa: E731
+    assert len(items(ResultStore(str(tmp_path / "run" / "results")), refs[0])) == 2
+    other, include, store = cfg.model_copy(update={"limit": 3}), tmp_path / "other" / "tasks", ResultStore(str(tmp_path / "x" / "results"))
+    elsewhere = Evaluator(other, store, include, tmp_path / "x" / "work", log, alone=True)
+    assert elsewhere.worker is workers[0], "an evaluation that scores something else takes the idle child"
+    elsewhere.run([refs[0]])
+    assert workers[0].launches == 1 and len(items(store, refs[0])) == 3, "and scores as its own config says"
+    lower = Evaluator(other.model_copy(update={"nice": 15}), store, include, tmp_path / "y" / "work", log, alone=True)
+    assert lower.worker is not workers[0] and workers[0].proc is None, "an evaluation at another priority ends the idle child"
 
 
 def test_unknown_task_names_the_task_dirs(tmp_path, heldout):

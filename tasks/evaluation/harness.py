@@ -10,9 +10,9 @@ with one thread, so evaluating checkpoints while the trainer runs slows training
 possible and a crash in lm-eval never takes the flow down with it. The child (`EvalWorker`) is handed
 each batch of jobs (the checkpoints pending at once, a finished model's base and chat tasks) over its
 stdin, and each evaluation leaves it to the next one in the same process (`kept_worker`): the follower's
-to the stage's, SFT's to APO's, one run's to another's in an ablation or a swarm (each job names its
-run's task folder and its thread count). So its ~12 s of imports (lm-eval, torch, transformers) are paid
-once per process and evaluation config, not once per batch, stage or run.
+to the stage's, SFT's to APO's, one run's to another's in an ablation or a swarm (each batch carries its
+evaluation config, each job its run's task folder and thread count). So its ~12 s of imports (lm-eval,
+torch, transformers) are paid once per process and CPU priority, not once per batch, stage, run or config.
 """
 
 from __future__ import annotations
@@ -324,7 +324,7 @@ class EvalWorker:
         for out in outs:
             out.unlink(missing_ok=True)
         spec = outs[0].with_name(f"{outs[0].stem}.jobs.json")
-        spec.write_text(json.dumps([asdict(job) for job in jobs]))
+        spec.write_text(json.dumps({"cfg": self.cfg.model_dump(mode="json"), "jobs": [asdict(job) for job in jobs]}))
         models = ", ".join(sorted({job.model for job in jobs}))
         died, proc = None, self._started()
         try:
@@ -381,7 +381,7 @@ class EvalWorker:
     def _started(self) -> subprocess.Popen:
         if self.proc is not None and self.proc.poll() is None:
             return self.proc
-        command = [sys.executable, "-m", "tasks.evaluation.harness", "--config", self.cfg.model_dump_json()]
+        command = [sys.executable, "-m", "tasks.evaluation.harness"]
         env = {**os.environ, "OMP_NUM_THREADS": str(thread_count(self.cfg.threads)), "TOKENIZERS_PARALLELISM": "false"}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         fd, log = tempfile.mkstemp(prefix="eval-child-", suffix=".log", dir=self.log_dir)  # evaluators may share a run dir
@@ -405,14 +405,14 @@ KEPT = 2  # at most this many idle: two evaluations at once (a follower beside a
 _kept_lock = threading.Lock()
 
 
-def _serves(cfg: EvalCfg) -> dict[str, Any]:
-    """What a child is started with and keeps: the config but its thread count, which each job sets."""
-    return cfg.model_dump(exclude={"threads"})
+def _serves(cfg: EvalCfg) -> int:
+    """What a child is started with and keeps: its CPU priority. Each batch brings its config, each job its threads."""
+    return cfg.nice
 
 
 def kept_worker(cfg: EvalCfg, log_dir: Path) -> EvalWorker:
     """An idle child an evaluation left in this process (of this run or another) that serves CFG; otherwise a new
-    worker, whose child logs into LOG_DIR (the idle ones of another config are ended)."""
+    worker, whose child logs into LOG_DIR (the idle ones at another priority are ended)."""
     with _kept_lock:
         idle = next((w for w in reversed(_kept) if _serves(w.cfg) == _serves(cfg)), None)
         others = [w for w in _kept if w is not idle and _serves(w.cfg) != _serves(cfg)]
@@ -466,13 +466,14 @@ def _use_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def serve(cfg: EvalCfg) -> None:
+def serve() -> None:
     """The child's side of `EvalWorker`: a jobs file per line of stdin, "done" on stdout once its results are written."""
     die_with_parent()  # a killed flow leaves no evaluation running
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what lm-eval, torch or vLLM print goes to the log, never into the replies
     for line in sys.stdin:
-        run_jobs([EvalJob(**job) for job in json.loads(Path(line.strip()).read_text())], cfg)
+        batch = json.loads(Path(line.strip()).read_text())
+        run_jobs([EvalJob(**job) for job in batch["jobs"]], EvalCfg.model_validate(batch["cfg"]))
         gc.collect()  # the batch's models; on a GPU also the memory torch keeps cached for them, which a trainer beside it may need
         if (torch := sys.modules.get("torch")) is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -483,16 +484,15 @@ def serve(cfg: EvalCfg) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="Evaluate HF model folders with lm-eval (started by smolflow): reads the path of a jobs file per line "
-        "of stdin (a JSON list of {model: HF folder, tasks: [...], chat: bool, out: JSON file, include: folder of resolved "
-        "lm-eval task YAMLs, threads}) and prints 'done' once "
-        "its results are written."
+        "of stdin (JSON: {cfg: the recipe's evaluation section, jobs: [{model: HF folder, tasks: [...], chat: bool, out: "
+        "JSON file, include: folder of resolved lm-eval task YAMLs, threads}]}) and prints 'done' once its results are "
+        "written."
     )
-    parser.add_argument("--config", required=True, help="the recipe's evaluation section, as JSON")
-    args = parser.parse_args()
+    parser.parse_args()
     import logging
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    serve(EvalCfg.model_validate_json(args.config))
+    serve()
 
 
 if __name__ == "__main__":
