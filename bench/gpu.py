@@ -17,6 +17,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ SWEEP = (16, 64, 256)  # sequences per micro-batch: the recipe's, then 4x and 16
 
 def pack(link: Path, dest: Path) -> None:
     """Copy what a phase's job reads (its job, tokenizer, token sources) and the CPU run's record of it;
-    `link` is the phase as its run names it (RUN/NAME), so the run's MFU probe is found beside it."""
+    `link` is the phase as its run names it (RUN/NAME); the MFU probe is in the store beside the step."""
     step = link.resolve()
     job = json.loads((step / "job.json").read_text())
     dest.mkdir(parents=True)
@@ -39,7 +40,8 @@ def pack(link: Path, dest: Path) -> None:
         shutil.copytree(folder, dest / "data" / name)
     for name in ("job.json", "metrics.jsonl", "summary.json"):
         shutil.copy(step / name, dest / f"cpu-{name}")
-    shutil.copy(link.parent / "peak_flops.json", dest / "cpu-peak_flops.json")
+    probes = json.loads((step.parent / "peak_flops.json").read_text())  # the store's, per host: this one's
+    (dest / "cpu-peak_flops.json").write_text(json.dumps(probes[socket.gethostname()], indent=2))
     size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
     print(f"packed {step.name} into {dest}: {size / 2**20:.1f} MiB")
 

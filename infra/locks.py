@@ -277,6 +277,21 @@ def _parse(data: bytes) -> dict[str, Any] | None:
     return found if isinstance(found, dict) and found else None
 
 
+@contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """PATH's kernel lock for a short section that threads and processes of this host take one at a time (a probe),
+    waiting for it. The file stays: unlinked, a waiter could lock a file no one else opens any more."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, _ = _open(path)
+    _HELD_FDS.add(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        _HELD_FDS.discard(fd)
+        os.close(fd)
+
+
 _HELD: contextvars.ContextVar[Lock | None] = contextvars.ContextVar("held_lock", default=None)
 
 

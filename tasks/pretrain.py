@@ -21,6 +21,7 @@ from infra import rayjobs, slurm
 from infra.env import thread_count
 from infra.errors import SmolflowError, TrainerFailed
 from infra.launch import DISK_FULL_MARK, Tail, check_disk, free_port, launch_command, launch_env, raise_if_stopped, run_streaming
+from infra.locks import exclusive
 from infra.procs import OWNER_ENV, PREEMPTED
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
 from infra.steps import CHECKPOINTS, JOB, LAUNCH_LOG, PHASE_SUMMARY, StepOutput
@@ -136,33 +137,35 @@ def trainer_env(storage: StorageCfg, run_dir: Path) -> dict[str, str]:
 PEAK = "peak_flops.json"
 
 
-def run_peak_flops(run_dir: Path, threads: int, phase: str) -> float:
-    """The MFU denominator of a CPU run without `pretrain.hardware.peak_tflops`: one fp32 matmul probe
-    per thread count, taken before the run's first trainer starts (nothing of the run competes then)
-    and kept in RUN_DIR/peak_flops.json with how it was taken; later phases and reruns reuse it. A probe at each phase's start would run
-    beside the checkpoint evaluations, read low and inflate MFU (measured: 79% for an honest 31%)."""
-    path = run_dir / PEAK
-    probes = json.loads(path.read_text()) if path.is_file() else {}
-    if str(threads) not in probes:
-        import torch
+def store_peak_flops(store: Path, threads: int, phase: str) -> float:
+    """The MFU denominator of a CPU run without `pretrain.hardware.peak_tflops`: one fp32 matmul probe per host and
+    thread count, kept in STORE/peak_flops.json with how it was taken and reused by every phase and run whose steps
+    live there (reruns, an ablation's variants, a swarm's proxies). So it is taken before the first of their trainers
+    starts, one probe at a time: a probe beside a trainer or checkpoint evaluations reads low and inflates MFU
+    (measured: 79% for an honest 31%), as a swarm's later proxies did when each run took its own."""
+    path, key, host = store / PEAK, str(threads), socket.gethostname()
+    with exclusive(store / f".{PEAK}.lock"):
+        probes = json.loads(path.read_text()) if path.is_file() else {}
+        if key not in probes.get(host, {}):
+            import torch
 
-        from model.plan import measure_peak_flops
+            from model.plan import measure_peak_flops
 
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            flops = measure_peak_flops()
-        finally:
-            torch.set_num_threads(before)
-        probes[str(threads)] = {
-            "flops_per_rank": flops,
-            "method": f"fp32 matmul 1024x1024, best of 5 probes over 1.5 s, {threads} thread(s), before {phase}'s trainer started",
-            "host": socket.gethostname(),
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        write_json_atomic(path, probes)
-        run_logger().info("peak for MFU: %.1f GFLOP/s per rank (%s), kept in %s", flops / 1e9, probes[str(threads)]["method"], path)
-    return probes[str(threads)]["flops_per_rank"]
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                flops = measure_peak_flops()
+            finally:
+                torch.set_num_threads(before)
+            method = f"fp32 matmul 1024x1024, best of 5 probes over 1.5 s, {threads} thread(s), before {phase}'s trainer started"
+            probes.setdefault(host, {})[key] = {
+                "flops_per_rank": flops,
+                "method": method,
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            write_json_atomic(path, probes)
+            run_logger().info("peak for MFU: %.1f GFLOP/s per rank (%s), kept in %s", flops / 1e9, method, path)
+    return probes[host][key]["flops_per_rank"]
 
 
 class PhaseData(TypedDict):
@@ -187,7 +190,8 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
 
     # a Slurm job or Ray task probes on its own node, a GPU trainer its own device in the phase's precision
     if t.peak_flops is None and cfg.launcher.kind not in ("slurm", "ray") and not torch.cuda.is_available():
-        t = t.model_copy(update={"peak_flops": run_peak_flops(run_dir, thread_count(cfg.launcher.threads_per_rank), t.phase)})
+        store = inputs["tokens"].path.resolve().parent  # where the links lead: STORE/NAME-ID
+        t = t.model_copy(update={"peak_flops": store_peak_flops(store, thread_count(cfg.launcher.threads_per_rank), t.phase)})
     job = TrainJob(
         config=t,
         sources={name: str(inputs["tokens"].path / source_data(name)) for name in t.samples},  # what phase_reads names

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -178,8 +179,8 @@ def test_full_pipeline_from_raw_text_to_a_pretrained_model(tmp_path, prefect_ser
     assert ids.shape[1] == prompt["input_ids"].shape[1] + 4  # four tokens generated beyond the prompt
     report = (tmp_path / "run" / "reports" / "pretrain.md").read_text()
     assert all(f"| {s} |" in report for s in ("phase1", "phase2", "phase3", "long_context"))
-    # every phase's MFU is against the one probe the run took before its first trainer (micro: 1 thread)
-    peak = json.loads((tmp_path / "run" / "peak_flops.json").read_text())["1"]
+    # every phase's MFU is against the one probe the run took before its first trainer (micro: 1 thread), in its store
+    peak = json.loads((tmp_path / "run" / "steps" / "peak_flops.json").read_text())[socket.gethostname()]["1"]
     assert "before phase1's trainer started" in peak["method"]
     for stage in ("phase1", "phase2", "phase3", "long_context"):
         metrics = (tmp_path / "run" / f"pretrain_{stage}" / "metrics.jsonl").read_text().splitlines()

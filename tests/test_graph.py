@@ -226,7 +226,7 @@ def test_short_lived_processes_import_no_training_library(modules):
 def test_the_flow_process_measures_its_matmul_peak_with_torch_alone(tmp_path):
     """The MFU probe runs in the flow process before a run's first trainer: torch, never transformers' model code."""
     code = (
-        f"import sys, pathlib; from tasks.pretrain import run_peak_flops; run_peak_flops(pathlib.Path({str(tmp_path)!r}), 1, 'p'); "
+        f"import sys, pathlib; from tasks.pretrain import store_peak_flops; store_peak_flops(pathlib.Path({str(tmp_path)!r}), 1, 'p'); "
         "print(sorted({'torch', 'transformers', 'deepspeed'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)

@@ -16,6 +16,7 @@ import yaml
 from flows.graph import build_graph
 from infra.ablation import resolve_ablation
 from infra.recipe import RecipeError
+from infra.steps import JOB
 from infra.swarm import draw_mixtures, load_swarm, proxy_name
 from tasks.pretrain import train_configs
 from tests.clusters import scores
@@ -312,6 +313,11 @@ def test_a_swarm_curates_once_trains_each_proxy_fits_proposes_and_a_rerun_builds
     assert natural == pytest.approx({s: n / sum(tokens.values()) for s, n in tokens.items()}, abs=1e-3)
     assert builds.count("tokenize") == 1, "the validation reads the proxies' curation from their store"
     assert "## Validation at 2x the proxies' tokens, 2 seeds" in text and "pairs of these mixtures as the larger runs do" in text
+    # one MFU probe for every run of the store, taken before the first trainer: each run took its own before, the later
+    # ones beside the earlier ones' training
+    [probes] = json.loads((swarm_store / "peak_flops.json").read_text()).values()  # this host's
+    peaks = {json.loads((root / "validate" / run / "pretrain_phase1" / JOB).read_text())["config"]["peak_flops"] for run in validation}
+    assert peaks == {probes["1"]["flops_per_rank"]}
     compared = json.loads((root / "validate" / "report" / "ablation.json").read_text())["rows"]
     assert {e["task"] for e in compared if e["variant"] == "proposed" and "verdict" in e} == {"smol_ppl_code", "smol_ppl_prose"}
 
