@@ -69,10 +69,10 @@ def save_micro_model(out: Path, seed: int) -> Path:
     return out
 
 
-@pytest.fixture(autouse=True)
-def _no_idle_child():
-    """An evaluation leaves its child idle for the next one in the process: each test here starts from none."""
-    yield
+@pytest.fixture
+def no_idle_child():
+    """An evaluation leaves its child idle for the next one in the process (other tests here take it over): a test that
+    counts the children it starts starts from none."""
     harness._end_kept()
 
 
@@ -179,6 +179,7 @@ def test_generative_scores_are_the_same_with_the_vllm_and_the_transformers_backe
     assert scores["vllm"] == scores["hf"] and scores["hf"]["smol_arithmetic_gen"] > 0, scores
 
 
+@pytest.mark.usefixtures("no_idle_child")
 def test_models_pending_at_once_are_scored_in_one_child_and_a_failing_one_is_reported_not_dropped(tmp_path, heldout, monkeypatch):
     children = []
     real = EvalWorker.run
@@ -278,6 +279,7 @@ def test_the_follower_rides_out_a_storage_outage_and_gives_up_on_one_that_outlas
     assert f"{MIRROR_ROUNDS} rounds failed" in summary.failed["(storage)"]
 
 
+@pytest.mark.usefixtures("no_idle_child")
 def test_the_follower_scores_successive_batches_in_one_child_and_a_dead_child_is_replaced(tmp_path, heldout):
     """The child's imports (~11 s of CPU) are paid once per follower, not once per batch of checkpoints beside the trainer."""
     ev = evaluator(tmp_path, heldout, EvalCfg(checkpoint_tasks=["smol_arithmetic_cf"], limit=4, poll_seconds=0.5))
@@ -310,6 +312,7 @@ def test_the_follower_scores_successive_batches_in_one_child_and_a_dead_child_is
     assert worker.launches == 3 and scored["metrics"]["smol_arithmetic_cf"]["acc"] == first["acc"]
 
 
+@pytest.mark.usefixtures("no_idle_child")
 def test_evaluations_in_one_process_share_one_child_across_stages_runs_and_configs_and_another_priority_ends_it(tmp_path, heldout):
     """SFT, APO, GRPO and the evaluate stage each score their model alone, and so does each run of an ablation or a
     swarm in its thread: one child's imports (~12 s of CPU), not one per stage, run or config (each batch brings its
