@@ -448,14 +448,21 @@ USAGE = """usage (smolflow starts these itself):
   python -m infra.procs --reap PID:START                       once that process is gone, stop what carries its mark"""
 
 
+def _named(token: str) -> Proc | None:
+    """The process a PID:START token names, or None for anything else."""
+    try:
+        return Proc.parse(token)
+    except ValueError:
+        return None
+
+
 def main() -> None:
     args = sys.argv[1:]
-    proc_token = re.compile(r"\d+:\d+").fullmatch
-    if args[:1] == ["--reap"] and len(args) == 2 and proc_token(args[1]):
+    if args[:1] == ["--reap"] and len(args) == 2 and _named(args[1]):
         reap(args[1])
         return
-    if args[:1] == ["--while"] and len(args) > 3 and proc_token(args[1]) and args[2] == "--":
-        sys.exit(run_while(Proc.parse(args[1]), args[3:]))
+    if args[:1] == ["--while"] and len(args) > 3 and (watched := _named(args[1])) and args[2] == "--":
+        sys.exit(run_while(watched, args[3:]))
     parent, log, rest = args[:1], None, args[1:]
     if rest[:1] == ["--log"] and len(rest) > 1:
         log, rest = Path(rest[1]), rest[2:]
