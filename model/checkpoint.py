@@ -10,6 +10,7 @@ checkpoints are deleted only once a newer one is complete (and, with a mirror, u
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -160,6 +161,7 @@ class CheckpointStore:
             if not is_complete(target):
                 raise StorageError(f"checkpoint {newest} pulled from {self.mirror.prefix} is incomplete")
             os.replace(target, self.root / newest)
+            self._drop_staging()
         return newest
 
     def remote_tags(self) -> list[str]:
@@ -184,6 +186,12 @@ class CheckpointStore:
         if self.tmp_dir().exists():
             log.info("checkpoints: clearing the unfinished saves in %s", self.tmp_dir())
             shutil.rmtree(self.tmp_dir())
+
+    def _drop_staging(self) -> None:
+        """After a checkpoint left tmp_dir() for its place: remove the folder when nothing else is staged in it, so that
+        a finished run's checkpoints hold checkpoints only (the next save makes it again)."""
+        with contextlib.suppress(OSError):
+            self.tmp_dir().rmdir()
 
     def make_room(self, estimate: int) -> None:
         """Rank 0, before a save: fail early when checkpoints wait on an unreachable mirror, prune so the
@@ -226,6 +234,7 @@ class CheckpointStore:
         if final.exists():
             shutil.rmtree(final)
         os.replace(staged, final)
+        self._drop_staging()
         fsync_dir(self.root)
         write_json_atomic(self.root / LATEST, {"tag": tag, "step": step})
         if self.mirror is not None:

@@ -175,7 +175,8 @@ def test_torn_checkpoint_is_never_loaded(tmp_path):
     fake_checkpoint(store, 10)
     fake_checkpoint(store, 20)
     # a save killed midway: files staged but never committed, and a folder whose shard lost bytes
-    (store.tmp_dir() / "step00000030").mkdir()
+    assert not store.tmp_dir().exists()  # each commit leaves no empty staging folder behind
+    (store.tmp_dir() / "step00000030").mkdir(parents=True)
     (tmp_path / "step00000020" / "shards" / "optim.pt").write_bytes(b"x" * 10)
     assert not is_complete(tmp_path / "step00000020")
     assert store.latest() == "step00000010"
