@@ -17,6 +17,7 @@ run tasks as its owner; any other local user is refused.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -35,6 +36,7 @@ from infra.procs import detached
 
 PACKAGES = {"slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-client", "munged": "munge"}
 DAEMONS = ("slurmctld", "slurmd")
+DAEMON_UP_S = 10
 CONF = """# written by smolflow (flows/cluster.py): a single-node cluster for trying scale-out paths locally
 ClusterName=smolflow
 SlurmctldHost={host}
@@ -68,6 +70,23 @@ def state_root() -> Path:
 
 def missing_commands() -> list[str]:
     return [cmd for cmd in PACKAGES if shutil.which(cmd) is None and not Path("/usr/sbin", cmd).exists()]
+
+
+def port_taken(port: int) -> str | None:
+    """Who holds PORT, or None when a daemon could listen on it (every address, SO_REUSEADDR, as Slurm's daemons bind):
+    a daemon that cannot bind its port only says so in its log."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+            return None
+        except OSError:
+            pass
+    for conn in psutil.net_connections("inet"):
+        if conn.laddr and conn.laddr.port == port and conn.pid:
+            with contextlib.suppress(psutil.Error):
+                return f"pid {conn.pid} ({psutil.Process(conn.pid).name()})"
+    return "another socket"
 
 
 def _sbin(cmd: str) -> str:
@@ -138,15 +157,27 @@ class Slurm:
             (self.state / folder).mkdir(parents=True, exist_ok=True)
         host = socket.gethostname().split(".")[0]
         memory_mb = int(psutil.virtual_memory().total / 2**20 * 0.8)
+        ports = dict(zip(DAEMONS, (self.port, self.port + 1), strict=True))  # SlurmctldPort, SlurmdPort
+        starting = [daemon for daemon in DAEMONS if self.pid(daemon) is None]
+        for daemon in starting:
+            if (holder := port_taken(ports[daemon])) is not None:
+                raise SmolflowError(
+                    f"{daemon} cannot listen on port {ports[daemon]}: {holder} holds it; the local cluster takes ports "
+                    f"P and P+1 (slurmctld, slurmd): export SMOLFLOW_SLURM_PORT=P with both free (now {self.port})"
+                )
         conf = CONF.format(host=host, port=self.port, slurmd_port=self.port + 1, state=self.state, cpus=os.cpu_count(), memory_mb=memory_mb)
         self.conf.write_text(conf)
         self._start_munge()
-        for daemon in DAEMONS:
-            if self.pid(daemon) is None:
-                subprocess.run([_sbin(daemon), "-f", str(self.conf)], env=self.env(), check=True, capture_output=True, timeout=60)
-                say(f"started {daemon} (log {self.state / daemon}.log)")
-        deadline = time.time() + timeout_s
+        for daemon in starting:
+            subprocess.run([_sbin(daemon), "-f", str(self.conf)], env=self.env(), check=True, capture_output=True, timeout=60)
+            say(f"started {daemon} (log {self.state / daemon}.log)")
+        started, deadline = time.time(), time.time() + timeout_s
         while (node := self.node_state()) not in ("idle", "mixed", "allocated"):
+            # a daemon writes its pid file once it runs: none by DAEMON_UP_S means it exited, and waiting would only time out
+            if time.time() > started + DAEMON_UP_S and (dead := [daemon for daemon in DAEMONS if self.pid(daemon) is None]):
+                log = self.state / f"{dead[0]}.log"
+                last = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else ["(no log)"]
+                raise SmolflowError(f"{dead[0]} exited while the Slurm node was {node!r}; the end of {log}:\n" + "\n".join(last))
             if time.time() > deadline:
                 raise SmolflowError(f"the Slurm node is {node!r} after {timeout_s:.0f} s; see {self.state}/slurmctld.log and slurmd.log")
             if node.startswith("down") or node.startswith("drain"):

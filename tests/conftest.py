@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -206,6 +207,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """P with P and P+1 both free, below Linux's ephemeral range (32768 up), where no connection's own port lands: the
+    local Slurm cluster listens on both. (`free_port() + 1` was once an open connection's, and slurmd could not start.)"""
+    while True:
+        port = random.randrange(20000, 32766)
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("0.0.0.0", port))
+                b.bind(("0.0.0.0", port + 1))
+                return port
+            except OSError:
+                continue
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A real moto S3 server on 127.0.0.1 with dummy credentials in the environment."""
@@ -303,7 +318,7 @@ def slurm(tmp_path_factory):
         pytest.skip("the local Slurm cluster needs root (its daemons run as root); CI runs as root")
     from flows.cluster import Slurm
 
-    cluster = Slurm(state=tmp_path_factory.mktemp("slurm"), port=free_port())
+    cluster = Slurm(state=tmp_path_factory.mktemp("slurm"), port=free_port_pair())
     cluster.start(timeout_s=180)
     before = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(cluster.conf)

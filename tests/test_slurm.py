@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -254,3 +255,32 @@ def test_a_swarm_trains_its_proxies_as_slurm_jobs_at_once(slurm, local_swarm, tm
     assert slurm.jobs() == []
     assert [r["run_id"] for r in local_swarm.scores] == PROXIES
     assert scores(tmp_path / "sw") == local_swarm.scores, "a proxy's scores do not depend on where it trained"
+
+
+def test_a_taken_daemon_port_is_named_before_any_daemon_starts_and_a_daemon_that_exits_is_named_at_once(tmp_path, monkeypatch):
+    """slurmd, its port taken (here by this process; once by a connection's own port), only logs that it cannot bind,
+    and the node then stayed 'unknown' until the start timed out: now the start refuses at once, naming the holder;
+    and a port taken between that check and the bind fails the start as soon as slurmd is seen gone, quoting its log."""
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm cluster needs root")
+    from flows import cluster as clusters
+    from infra.errors import SmolflowError
+    from tests.conftest import free_port_pair
+
+    port = free_port_pair()
+    cluster = clusters.Slurm(state=tmp_path, port=port)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port + 1))
+        held.listen()
+        with pytest.raises(SmolflowError, match=rf"slurmd cannot listen on port {port + 1}: pid {os.getpid()} \(python"):
+            cluster.start(timeout_s=120)
+        assert cluster.pid("slurmctld") is None and not cluster.conf.exists(), "nothing started, no configuration written"
+
+        monkeypatch.setattr(clusters, "port_taken", lambda port: None)  # as if taken after the check
+        began = time.time()
+        try:
+            with pytest.raises(SmolflowError, match=r"(?s)slurmd exited while the Slurm node was .*Unable to bind listen port"):
+                cluster.start(timeout_s=120)
+            assert time.time() - began < 60, "named once slurmd was seen gone, not at the timeout"
+        finally:
+            cluster.stop()
