@@ -510,7 +510,8 @@ cluster_app.add_typer(ray_app, name="ray")
 
 @slurm_app.command("start")
 def slurm_start() -> None:
-    """Install slurm-wlm and munge if missing (as root, apt-get), start munged, slurmctld and slurmd; wait for the node."""
+    """Install slurm-wlm and munge if missing (as root, apt-get), start munged, slurmctld and slurmd; wait for the node.
+    The daemons listen on ports P and P+1 ($SMOLFLOW_SLURM_PORT, default 6817): a port taken is named before either starts."""
     from flows.cluster import Slurm
 
     try:

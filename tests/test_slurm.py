@@ -272,7 +272,7 @@ def test_a_taken_daemon_port_is_named_before_any_daemon_starts_and_a_daemon_that
     with socket.socket() as held:
         held.bind(("127.0.0.1", port + 1))
         held.listen()
-        with pytest.raises(SmolflowError, match=rf"slurmd cannot listen on port {port + 1}: pid {os.getpid()} \(python"):
+        with pytest.raises(SmolflowError, match=rf"slurmd cannot listen on port {port + 1}: pid {os.getpid()} \("):
             cluster.start(timeout_s=120)
         assert cluster.pid("slurmctld") is None and not cluster.conf.exists(), "nothing started, no configuration written"
 
