@@ -165,7 +165,9 @@ class Slurm:
                     f"{daemon} cannot listen on port {ports[daemon]}: {holder} holds it; the local cluster takes ports "
                     f"P and P+1 (slurmctld, slurmd): export SMOLFLOW_SLURM_PORT=P with both free (now {self.port})"
                 )
-        conf = CONF.format(host=host, port=self.port, slurmd_port=self.port + 1, state=self.state, cpus=os.cpu_count(), memory_mb=memory_mb)
+        conf = CONF.format(
+            host=host, port=ports["slurmctld"], slurmd_port=ports["slurmd"], state=self.state, cpus=os.cpu_count(), memory_mb=memory_mb
+        )
         self.conf.write_text(conf)
         self._start_munge()
         for daemon in starting:

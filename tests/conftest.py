@@ -210,15 +210,12 @@ def free_port() -> int:
 def free_port_pair() -> int:
     """P with P and P+1 both free, below Linux's ephemeral range (32768 up), where no connection's own port lands: the
     local Slurm cluster listens on both. (`free_port() + 1` was once an open connection's, and slurmd could not start.)"""
+    from flows.cluster import port_taken  # the daemons' own check
+
     while True:
         port = random.randrange(20000, 32766)
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("0.0.0.0", port))
-                b.bind(("0.0.0.0", port + 1))
-                return port
-            except OSError:
-                continue
+        if port_taken(port) is None and port_taken(port + 1) is None:
+            return port
 
 
 @pytest.fixture(scope="session")
