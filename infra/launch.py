@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from infra.env import thread_count
-from infra.errors import DiskFull, Stopped, full_disk
+from infra.errors import DiskFull, Stopped, TrainerFailed, full_disk
 from infra.locks import lease_env, record_child
 from infra.procs import GRACE_ENV, PREEMPTED, REAP_GRACE_S, STOPPING, kill_tree, tethered, unseen_lines
 from infra.recipe import AccelerateCfg, LauncherCfg
@@ -64,7 +64,7 @@ def mark_disk_full(err: BaseException, out: Path, folders: list[Path]) -> None:
 
 def check_disk(what: str, out: Path, folders: list[Path]) -> None:
     """In the task, after its trainer failed: raise DiskFull (not retried: a retry would fill the same disk) when a rank
-    left DISK_FULL_MARK in OUT or one of FOLDERS is left full. The tasks remove the mark before they launch."""
+    left DISK_FULL_MARK in OUT or one of FOLDERS is left full. `before_launch` removes an earlier attempt's mark."""
     mark = out / DISK_FULL_MARK
     if (said := mark.read_text().strip() if mark.is_file() else full_disk(folders)) is not None:
         raise DiskFull(
@@ -140,7 +140,29 @@ def launch_env(cfg: LauncherCfg | AccelerateCfg, extra: dict[str, str] | None = 
     return env
 
 
-def raise_if_stopped(what: str, code: int) -> None:
+def before_launch(out: Path, *done: Path) -> None:
+    """Remove what an earlier attempt's trainer left in OUT to say how it ended (its DISK_FULL_MARK and the DONE files it
+    writes once finished), so that `check_exit` reads only this launch's."""
+    for mark in (out / DISK_FULL_MARK, *done):
+        mark.unlink(missing_ok=True)
+
+
+def check_exit(what: str, code: int | None, out: Path, folders: list[Path], done: Path, tail: Tail) -> None:
+    """After a trainer's launch in OUT: return when it exited 0 and left DONE, else raise the error that decides the
+    retry: Stopped (this process stops), TrainerFailed after a checkpointing signal (retried: it resumes), DiskFull
+    (not retried) when a rank marked OUT or one of FOLDERS is full, TrainerFailed quoting TAIL otherwise."""
+    raise_if_stopped(what, code)
+    if code == PREEMPTED:
+        raise TrainerFailed(f"{what}: the trainer was signalled (cancel, preemption), checkpointed and exited; a retry resumes")
+    if code != 0:
+        check_disk(what, out, folders)
+    if code != 0 or not done.is_file():
+        raise TrainerFailed(
+            f"{what}: the trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint{tail}"
+        )
+
+
+def raise_if_stopped(what: str, code: int | None) -> None:
     """End the task of a launch that ended because this process is stopping (`STOPPING`: a thread's launch, an
     ablation's run, a swarm's proxy) as Stopped, which is not retried: its ranks checkpointed (PREEMPTED) or were
     killed once their grace ran out, and a relaunch resumes from the newest checkpoint."""

@@ -20,9 +20,7 @@ from typing import TypedDict
 from prefect.artifacts import create_table_artifact
 from pydantic import create_model
 
-from infra.errors import TrainerFailed
-from infra.launch import DISK_FULL_MARK, Tail, accelerate_command, check_disk, free_port, launch_env, raise_if_stopped, run_streaming
-from infra.procs import PREEMPTED
+from infra.launch import Tail, accelerate_command, before_launch, check_exit, free_port, launch_env, run_streaming
 from infra.recipe import AccelerateCfg, ChatDataCfg, GenerationCfg, PreferenceCfg, Recipe, Strict, TrainerCfg, operational
 from infra.steps import FINAL, JOB, LAUNCH_CONFIG, LAUNCH_LOG, NoInputs, Step, StepOutput
 from infra.storage import write_json_atomic
@@ -124,8 +122,7 @@ def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, dat
     """Run the STAGE trainer (postrain/run.py) on the launcher's ranks; its result once `out/final` is saved. Its
     curves go to the run's dashboard (RUN_DIR/trackio) when `cfg.tracking` names a project."""
     log, result = run_logger(), out / RESULT
-    for previous in (result, out / DISK_FULL_MARK):  # a previous attempt's: only this launch's may count
-        previous.unlink(missing_ok=True)
+    before_launch(out, result)
     config = trainer.model_dump()
     job = PostJob(stage=stage, model=str(model), data=str(data), config=config, out=str(out), seed=cfg.seed, tracking=cfg.tracking)
     (out / JOB).write_text(job.model_dump_json(indent=2))
@@ -138,15 +135,7 @@ def train(cfg: TrainedStepCfg, stage: str, trainer: TrainerCfg, model: Path, dat
     env = launch_env(cfg.launcher, {"TQDM_MININTERVAL": "15", **tracking})  # progress every 15 s
     tail = Tail(log.info)
     code = run_streaming(command, env, tail, grace_s=cfg.launcher.stop_grace_s, log=out / LAUNCH_LOG)
-    raise_if_stopped(stage, code)
-    if code == PREEMPTED:
-        raise TrainerFailed(f"{stage}: the trainer was signalled (cancel, preemption), checkpointed and exited; a retry resumes")
-    if code != 0:
-        check_disk(stage, out, [out])
-    if code != 0 or not result.is_file():
-        raise TrainerFailed(
-            f"{stage}: the trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint{tail}"
-        )
+    check_exit(stage, code, out, [out], result, tail)
     return json.loads(result.read_text())
 
 

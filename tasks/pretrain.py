@@ -19,8 +19,8 @@ from prefect.artifacts import create_table_artifact
 
 from infra import rayjobs, slurm
 from infra.env import thread_count
-from infra.errors import SmolflowError, TrainerFailed
-from infra.launch import DISK_FULL_MARK, Tail, check_disk, free_port, launch_command, launch_env, raise_if_stopped, run_streaming
+from infra.errors import SmolflowError
+from infra.launch import Tail, before_launch, check_exit, free_port, launch_command, launch_env, run_streaming
 from infra.locks import exclusive
 from infra.procs import OWNER_ENV, PREEMPTED
 from infra.recipe import LauncherCfg, PretrainCfg, Recipe, StorageCfg, Strict, operational
@@ -207,7 +207,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
     )
     job_path = out / JOB
     job_path.write_text(job.model_dump_json(indent=2))
-    (out / DISK_FULL_MARK).unlink(missing_ok=True)  # an earlier attempt's: only this launch's may count
+    before_launch(out)  # not the summary: a Slurm job an earlier attempt submitted may have written it already
     launcher = cfg.launcher
     if launcher.kind == "ray":  # on the worker: one process, or torchrun's ranks
         launcher = launcher.model_copy(update={"kind": "python" if launcher.nproc == 1 else "torchrun"})
@@ -224,15 +224,7 @@ def train_phase(cfg: PhaseStepCfg, inputs: PhaseInputs, out: Path) -> PhaseSumma
             else run_streaming(command, env, tail, grace_s=cfg.launcher.stop_grace_s, log=out / LAUNCH_LOG)
         )
     summary = out / PHASE_SUMMARY  # written last, by rank 0, once the phase is done
-    raise_if_stopped(f"pretrain {t.phase}", code)
-    if code == PREEMPTED:
-        raise TrainerFailed(f"pretrain {t.phase}: the trainer was signalled (preemption, cancel), checkpointed and exited; a retry resumes")
-    if code != 0:
-        check_disk(f"pretrain {t.phase}", out, [Path(job.checkpoint_dir), out])
-    if code != 0 or not summary.is_file():
-        raise TrainerFailed(
-            f"pretrain {t.phase}: trainer exited with code {code} before finishing; a retry resumes from its newest checkpoint{tail}"
-        )
+    check_exit(f"pretrain {t.phase}", code, out, [Path(job.checkpoint_dir), out], summary, tail)
     result = PhaseSummary.model_validate_json(summary.read_text())
     write_card(out, cfg, result, inputs)
     return result

@@ -168,13 +168,17 @@ def test_a_trainer_out_of_disk_ends_its_task_as_disk_full_naming_the_folder_what
     import torch
     from safetensors.torch import save_file
 
-    from infra.launch import DISK_FULL_MARK, check_disk, mark_disk_full
+    from infra.errors import TrainerFailed
+    from infra.launch import DISK_FULL_MARK, Tail, before_launch, check_disk, check_exit, mark_disk_full
+    from infra.procs import PREEMPTED
 
     out = tmp_path / "step"
     out.mkdir()
+    done, tail = out / "result.json", Tail(lambda line: None)
     mark_disk_full(ValueError("a bug"), out, [out])  # not a disk: the retry stays
-    check_disk("sft", out, [out])
     assert not (out / DISK_FULL_MARK).exists()
+    with pytest.raises(TrainerFailed, match="sft: the trainer exited with code 1 before finishing"):
+        check_exit("sft", 1, out, [out], done, tail)
 
     full = small_disk(256 * 1024)
     with pytest.raises(RuntimeError) as raised:
@@ -182,9 +186,17 @@ def test_a_trainer_out_of_disk_ends_its_task_as_disk_full_naming_the_folder_what
     assert "space" not in str(raised.value)
     mark_disk_full(raised.value, out, [full, out])
     with pytest.raises(DiskFull, match=rf"pretrain phase1: the trainer ran out of disk: {full}: 0\.0 MiB free \(RuntimeError"):
-        check_disk("pretrain phase1", out, [full, out])
+        check_exit("pretrain phase1", 1, out, [full, out], done, tail)
+    with pytest.raises(TrainerFailed, match="checkpointed and exited; a retry resumes"):  # a signal's exit, not the disk
+        check_exit("pretrain phase1", PREEMPTED, out, [full, out], done, tail)
 
-    (out / DISK_FULL_MARK).unlink()
+    done.write_text("{}")  # an earlier attempt's result and mark: the next launch must not read them
+    before_launch(out, done)
+    assert not done.exists() and not (out / DISK_FULL_MARK).exists()
+    with pytest.raises(TrainerFailed, match="exited with code 0 before finishing"):
+        check_exit("sft", 0, out, [out], done, tail)
+    done.write_text("{}")
+    check_exit("sft", 0, out, [out], done, tail)  # finished: nothing raised
     roomy = small_disk(3 * 2**20)
     with pytest.raises(Exception, match="No space left on device") as raised:
         save_file({"w": torch.zeros(2**20)}, roomy / "model.safetensors")  # 4 MiB
