@@ -8,7 +8,7 @@
    evaluation child alternately, then SFT, APO, GRPO), either that process, the flow process's whole
    group, or the flow process alone (as the OOM killer would), and restarted. A watcher counts trainers
    alive at once. After each kill of the flow process, a census of the processes carrying its tree mark
-   (infra/procs.py): what is left 20 s later is an orphan.
+   (infra/procs.py) and of its forks (its command line): what is left 20 s later is an orphan.
    Afterwards: it completed, every kept checkpoint is complete, no lock is left, no two trainers ever
    ran at once, no orphan, and final metrics (losses per stage, post-training curves, every evaluation)
    equal the reference's.
@@ -44,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -204,19 +205,38 @@ def wait_for(target: str, proc: subprocess.Popen, run_dir: Path, timeout_s: floa
     raise TimeoutError(target)
 
 
-def tree_mark(proc: subprocess.Popen) -> str:
-    """The mark the CLI process gives what it starts (infra/procs.py `reap_when_gone`)."""
+@dataclass(frozen=True)
+class Tree:
+    """What a flow process starts: MARK is the mark the CLI gives it (infra/procs.py `reap_when_gone`); a fork that
+    does not exec shows COMMAND, the flow process's command line, instead (its /proc environ is its parent's at exec)."""
+
+    mark: str
+    command: tuple[str, ...]
+
+
+def tree_mark(proc: subprocess.Popen) -> Tree:
     from infra.procs import Proc
 
-    return Proc.of(proc.pid).token
+    return Tree(Proc.of(proc.pid).token, tuple(psutil.Process(proc.pid).cmdline()))
 
 
-def orphans(mark: str, wait_s: float = 20) -> list[str]:
-    """What still carries a gone flow process's tree mark WAIT_S after it ended; killed, then named."""
-    from infra.procs import census, kill_tree
+def left_of(tree: Tree) -> list[psutil.Process]:
+    """The processes of a gone flow process's TREE that still run, before anything relaunches it (its command line)."""
+    from infra.procs import census
+
+    forks = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if tuple(proc.info["cmdline"] or ()) == tree.command and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            forks.append(proc)
+    return list({p.pid: p for p in census(tree.mark) + forks}.values())
+
+
+def orphans(tree: Tree, wait_s: float = 20) -> list[str]:
+    """What of a gone flow process's TREE still runs WAIT_S after it ended; killed, then named."""
+    from infra.procs import kill_tree
 
     deadline = time.time() + wait_s
-    while (left := census(mark)) and time.time() < deadline:
+    while (left := left_of(tree)) and time.time() < deadline:
         time.sleep(0.5)
     named = []
     for proc in left:
@@ -230,8 +250,6 @@ def orphans(mark: str, wait_s: float = 20) -> list[str]:
 
 def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tuple[int, int, list[str]]:
     """Returns (kills made, most trainers alive at once, problems)."""
-    from infra.procs import census
-
     run_dir, log = work / "killed", work / "killed.log"
     each = max(1, kills // len(TARGETS))  # spread over the stages in pipeline order; the evaluator alongside pretraining
     plan = ["curation"] * each + ["trainer", "evaluator"] * each
@@ -265,7 +283,7 @@ def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tupl
                 continue
             what = f"only the {target} (pid {victim.pid})"
         else:
-            marked = len(census(mark))
+            marked = len([p for p in left_of(mark) if p.pid != proc.pid])
             if rng.random() < 0.5:
                 os.killpg(proc.pid, signal.SIGKILL)
                 what = f"the whole run's process group while the {target} ran"
@@ -278,7 +296,7 @@ def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tupl
         left += found
         print(
             f"  kill {made}: SIGKILL {what}; finished steps so far: {len(list(run_dir.glob('*/manifest.json')))}"
-            + (f"; marked processes: {marked} at the kill, {len(found)} 20 s later" if proc.poll() is not None else ""),
+            + (f"; processes it started: {marked} at the kill, {len(found)} 20 s later" if proc.poll() is not None else ""),
             flush=True,
         )
         if proc.poll() is not None:
@@ -507,7 +525,10 @@ def disk_drill(work: Path) -> tuple[str, list[str]]:
     phase = work / "reference" / "pretrain_phase1"
     reference = TrainJob.model_validate_json((phase / "job.json").read_text())
     every = max(1, reference.config.schedule.steps // 5)
-    config = reference.config.model_copy(update={"checkpoint": reference.config.checkpoint.model_copy(update={"every_steps": every})})
+    checkpoint = reference.config.checkpoint.model_copy(update={"every_steps": every})
+    # no evaluator follows this trainer: with the reference's hold, the save that must prune waits EVAL_WAIT_S for
+    # scores that never come, then fails
+    config = reference.config.model_copy(update={"checkpoint": checkpoint, "hold_unevaluated": 0})
     launcher = LauncherCfg(kind="python", nproc=1, threads_per_rank=2)
     size = checkpoint_bytes(max((phase / "checkpoints").glob("step*")))
     problems, mounts, codes = [], [], {}

@@ -19,6 +19,8 @@ through its environment, however deep and in whatever session (Prefect's tempora
 workers, forks, eval and vLLM children), and a reaper (`python -m infra.procs --reap PID:START`, in a
 session of its own) kills what still carries the mark once the flow process is gone, SIGKILL included;
 a launched tree (it carries SMOLFLOW_GRACE_S) is its tether's to stop, and killed only after that grace.
+A fork that does not exec (datatrove's `multiprocess.Manager` server) shows no mark, since /proc/PID/environ
+is what its parent was exec'd with, so it is not left to the reaper: it dies with the thread that forked it.
 Daemons meant to outlive it (the local server, worker, Slurm and Ray, Slurm jobs a relaunch follows) are
 started with `detached(env)`, which drops the mark.
 """
@@ -185,6 +187,23 @@ def census(token: str) -> list[psutil.Process]:
     return found
 
 
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True)  # loaded here: a fork's hook must not dlopen (another thread may hold the loader lock)
+_forked_by = 0  # the pid that forks: set in the parent before each fork, read in the child
+
+
+def _before_fork() -> None:
+    global _forked_by
+    _forked_by = os.getpid()
+
+
+def _fork_dies_with_its_thread() -> None:
+    """In a fork (without exec) of a marked process: SIGKILL when the thread that forked it ends, whatever ends it;
+    exit now if the forker is gone already. Subprocesses do not run this (subprocess forks and execs in C)."""
+    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != _forked_by:
+        os._exit(1)
+
+
 def reap_when_gone() -> None:
     """Mark the processes this one starts from now on, and have them killed when it is gone (see module doc).
     Once per process: a second call, or one in a process whose reaper runs already, does nothing."""
@@ -194,6 +213,7 @@ def reap_when_gone() -> None:
     import subprocess
 
     os.environ[TREE_ENV] = token
+    os.register_at_fork(before=_before_fork, after_in_child=_fork_dies_with_its_thread)
     reaper = [sys.executable, "-m", "infra.procs", "--reap", token]
     cwd = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: `-m infra.procs` resolves there
     subprocess.Popen(
@@ -293,10 +313,7 @@ def _children(proc: psutil.Process) -> list[psutil.Process]:
 
 def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send SIG (SIGKILL: die) to this process when its parent thread dies; exit now if it already has."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    _LIBC.prctl(1, sig)  # PR_SET_PDEATHSIG
     if os.getppid() == 1 or (expected_parent is not None and os.getppid() != expected_parent):
         sys.exit(f"{' '.join(sys.argv)}: the process that started it is gone (its parent is pid {os.getppid()}): not run")
 

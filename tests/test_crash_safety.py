@@ -274,6 +274,60 @@ def test_a_fork_of_a_killed_holder_does_not_keep_its_lock_and_a_stuck_lock_names
         psutil.Process(child).kill()
 
 
+FLOW_FORKS = textwrap.dedent(
+    """
+    import os, threading, time
+    import multiprocess
+    from infra.procs import reap_when_gone
+
+    reap_when_gone()  # as a flow process does
+    forks = []
+    def task():  # a task's thread forks, as datatrove's LocalPipelineExecutor starts its rank queue's server
+        manager = multiprocess.Manager()
+        forks.append(manager._process.pid)
+        if (pid := os.fork()) == 0:
+            time.sleep(120)
+            os._exit(0)
+        forks.append(pid)
+        time.sleep(120)
+    threading.Thread(target=task, daemon=True).start()
+    while len(forks) < 2:
+        time.sleep(0.05)
+    print(*forks, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_forks_of_a_sigkilled_flow_process_die_with_it_though_they_carry_no_mark(tmp_path):
+    """Found by the kill drill: a flow process SIGKILLed while curation ran left datatrove's `multiprocess.Manager`
+    server (a fork, no exec) running for good. A fork's /proc/PID/environ is its parent's at exec, without the tree
+    mark the flow process set later, so the reaper's census never saw it (nor did the drill's)."""
+    from infra.procs import census
+
+    flow = subprocess.Popen([sys.executable, "-c", FLOW_FORKS], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    forks = [psutil.Process(int(pid)) for pid in flow.stdout.readline().split()]
+    token = Proc.of(flow.pid).token
+    assert len(forks) == 2 and not {p.pid for p in census(token)} & {p.pid for p in forks}, "invisible to the census"
+    flow.kill()
+    flow.wait()
+    deadline, alive = time.time() + 10, forks
+    while alive and time.time() < deadline:
+        alive = [p for p in alive if lives(p)]
+        time.sleep(0.1)
+    for p in alive:
+        p.kill()
+    assert not alive, f"forks outlived their flow process: {alive}"
+
+
+def lives(proc: psutil.Process) -> bool:
+    """PROC runs still: not gone, and not a zombie its new parent has yet to reap."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 STALLER = textwrap.dedent(
     """
     import sys, time
