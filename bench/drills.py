@@ -33,6 +33,7 @@ Prints one line per event and a summary table; exits non-zero if a check fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -217,17 +218,23 @@ class Tree:
 def tree_mark(proc: subprocess.Popen) -> Tree:
     from infra.procs import Proc
 
-    return Tree(Proc.of(proc.pid).token, tuple(psutil.Process(proc.pid).cmdline()))
+    command = tuple(psutil.Process(proc.pid).cmdline())
+    if not command:  # a zombie's is empty, and would match every kernel thread
+        raise RuntimeError(f"the flow process {proc.pid} ended as it started (exit {proc.poll()})")
+    return Tree(Proc.of(proc.pid).token, command)
 
 
 def left_of(tree: Tree) -> list[psutil.Process]:
-    """The processes of a gone flow process's TREE that still run, before anything relaunches it (its command line)."""
-    from infra.procs import census
+    """The processes of a gone flow process's TREE that still run, before anything relaunches it: those that carry its
+    mark, and its forks (its command line, started after it)."""
+    from infra.procs import Proc, census, start_ticks
 
-    forks = []
+    started, forks = Proc.parse(tree.mark).started, []
     for proc in psutil.process_iter(["cmdline", "status"]):
         if tuple(proc.info["cmdline"] or ()) == tree.command and proc.info["status"] != psutil.STATUS_ZOMBIE:
-            forks.append(proc)
+            with contextlib.suppress(OSError):  # gone since
+                if start_ticks(proc.pid) >= started:
+                    forks.append(proc)
     return list({p.pid: p for p in census(tree.mark) + forks}.values())
 
 
@@ -607,6 +614,8 @@ def stage_disk_drill(work: Path, stages: list[str]) -> tuple[list[str], list[str
             subprocess.run(["umount", "-l", str(disk)], check=False)
         message = named[0].split("DiskFull", 1)[1].strip(" :'(").replace(str(disk), "<disk>")[:160] if code and named else "-"
         verdict = "OK: named, nothing committed damaged, the relaunch ends as the reference" if not found else "FAILED"
+        if not found and code and failed_in != stage:  # sized from committed steps: an earlier stage's peak is larger
+            verdict += f"; but the disk filled in {failed_in}, before {stage} wrote"
         rows.append(
             f"| full disk in {stage} | tmpfs of {size / 2**20:.0f} MiB, failed in {failed_in} (exit {code}): {message} "
             f"| {verdict} | {time.time() - started:.0f} |"
