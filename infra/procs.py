@@ -16,7 +16,7 @@ a process that is not its parent exits (`guarded`).
 
 A flow process marks its tree: every process started after `reap_when_gone()` inherits SMOLFLOW_TREE
 through its environment, however deep and in whatever session (Prefect's temporary API server, pool
-workers, forks, eval and vLLM children), and a reaper (`python -m infra.procs --reap PID:START`, in a
+workers, eval and vLLM children), and a reaper (`python -m infra.procs --reap PID:START`, in a
 session of its own) kills what still carries the mark once the flow process is gone, SIGKILL included;
 a launched tree (it carries SMOLFLOW_GRACE_S) is its tether's to stop, and killed only after that grace.
 A fork that does not exec (datatrove's `multiprocess.Manager` server) shows no mark, since /proc/PID/environ
