@@ -218,9 +218,13 @@ class Tree:
 def tree_mark(proc: subprocess.Popen) -> Tree:
     from infra.procs import Proc
 
-    command = tuple(psutil.Process(proc.pid).cmdline())
-    if not command:  # a zombie's is empty, and would match every kernel thread
-        raise RuntimeError(f"the flow process {proc.pid} ended as it started (exit {proc.poll()})")
+    # Popen returns once exec closed its pipe, before the kernel sets the new command line: it reads empty a moment
+    # (as a zombie's does), and an empty one would match every kernel thread
+    deadline = time.time() + 10
+    while not (command := tuple(psutil.Process(proc.pid).cmdline())):
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"the flow process {proc.pid} shows no command line (exit {proc.poll()})")
+        time.sleep(0.01)
     return Tree(Proc.of(proc.pid).token, command)
 
 
