@@ -215,7 +215,7 @@ class Tree:
     command: tuple[str, ...]
 
 
-def tree_mark(proc: subprocess.Popen) -> Tree:
+def tree_of(proc: subprocess.Popen) -> Tree:
     from infra.procs import Proc
 
     # Popen returns once exec closed its pipe, before the kernel sets the new command line: it reads empty a moment
@@ -268,7 +268,7 @@ def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tupl
     plan += ["evaluator"] * (kills - len(plan))
     watch, made, left = TrainerWatch(run_dir), 0, []
     proc = start_pipeline(recipe, run_dir, log)
-    mark = tree_mark(proc)
+    tree = tree_of(proc)
     while made < kills and plan and pending(run_dir):
         target = plan[0]
         try:
@@ -276,9 +276,9 @@ def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tupl
         except TimeoutError:
             if proc.poll() is not None and proc.returncode != 0:
                 print("  the run failed after a kill; restarting it", flush=True)
-                left += orphans(mark)
+                left += orphans(tree)
                 proc = start_pipeline(recipe, run_dir, log)
-                mark = tree_mark(proc)
+                tree = tree_of(proc)
             elif proc.poll() is not None:
                 break  # finished
             else:
@@ -294,7 +294,7 @@ def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tupl
                 continue
             what = f"only the {target} (pid {victim.pid})"
         else:
-            marked = len([p for p in left_of(mark) if p.pid != proc.pid])
+            marked = len([p for p in left_of(tree) if p.pid != proc.pid])
             if rng.random() < 0.5:
                 os.killpg(proc.pid, signal.SIGKILL)
                 what = f"the whole run's process group while the {target} ran"
@@ -303,7 +303,7 @@ def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tupl
                 what = f"the flow process alone while the {target} ran"
             proc.wait()
         made += 1
-        found = orphans(mark) if proc.poll() is not None else []
+        found = orphans(tree) if proc.poll() is not None else []
         left += found
         print(
             f"  kill {made}: SIGKILL {what}; finished steps so far: {len(list(run_dir.glob('*/manifest.json')))}"
@@ -312,17 +312,17 @@ def kill_drill(recipe: Path, work: Path, kills: int, rng: random.Random) -> tupl
         )
         if proc.poll() is not None:
             proc = start_pipeline(recipe, run_dir, log)
-            mark = tree_mark(proc)
+            tree = tree_of(proc)
     for _ in range(4):  # finish: a kill of a child may have failed the run; the rerun resumes
         if proc.wait() == 0:
             break
         print("  the run after the kills failed; rerunning it", flush=True)
-        left += orphans(mark)
+        left += orphans(tree)
         proc = start_pipeline(recipe, run_dir, log)
-        mark = tree_mark(proc)
+        tree = tree_of(proc)
     else:
         return made, watch.stop(), [f"the pipeline did not complete after the kills (see {log})"]
-    left += orphans(mark)  # a run that ended well leaves nothing either
+    left += orphans(tree)  # a run that ended well leaves nothing either
     most = watch.stop()
     problems = integrity(run_dir) + ([f"{most} trainers were alive at once: {watch.seen[:3]}"] if most > 1 else [])
     problems += [f"outlived its run: {name}" for name in left]
@@ -398,7 +398,7 @@ def slurm_drill(work: Path, rng: random.Random, kills: int) -> tuple[int, int, l
     watch, made, left, problems = TrainerWatch(run_dir), 0, [], []
     try:
         proc = start_pipeline(MICRO, run_dir, log, extra, until="pretrain")
-        mark = tree_mark(proc)
+        tree = tree_of(proc)
         while made < kills and proc.poll() is None and "trainer" in pending(run_dir):
             if not (ranks := trainers(run_dir)):
                 time.sleep(0.2)
@@ -415,22 +415,22 @@ def slurm_drill(work: Path, rng: random.Random, kills: int) -> tuple[int, int, l
                 proc.wait()
                 what = "the flow process alone while its Slurm job trained"
             made += 1
-            found = orphans(mark) if proc.poll() is not None else []
+            found = orphans(tree) if proc.poll() is not None else []
             left += found
             print(f"  slurm kill {made}: SIGKILL {what}; queue: {[j['name'] for j in cluster.jobs()]}", flush=True)
             if proc.poll() is not None:
                 proc = start_pipeline(MICRO, run_dir, log, extra, until="pretrain")
-                mark = tree_mark(proc)
+                tree = tree_of(proc)
         for _ in range(4):  # a killed rank may have failed the run: the rerun resumes
             if proc.wait() == 0:
                 break
             print("  the run after the kills failed; rerunning it", flush=True)
-            left += orphans(mark)
+            left += orphans(tree)
             proc = start_pipeline(MICRO, run_dir, log, extra, until="pretrain")
-            mark = tree_mark(proc)
+            tree = tree_of(proc)
         else:
             problems.append(f"the pipeline did not complete after the kills (see {log})")
-        left += orphans(mark)
+        left += orphans(tree)
         if jobs := cluster.jobs():
             problems.append(f"jobs left in the queue: {jobs}")
     finally:
