@@ -28,7 +28,7 @@ from infra.steps import JOB, LAUNCH_LOG, MANIFEST, Step, fingerprint_tree, run_s
 from infra.storage import CorruptFile, Mirror, StorageError, download_folder, inside, temporaries
 from model.checkpoint import MARKER, CheckpointStore, MirrorBehind
 from tests.conftest import free_port
-from tests.helpers import REPO
+from tests.helpers import REPO, survivors
 from tests.test_steps import Cfg
 
 RACER = textwrap.dedent(
@@ -311,21 +311,11 @@ def test_forks_of_a_sigkilled_flow_process_die_with_it_though_they_carry_no_mark
     assert len(forks) == 2 and not {p.pid for p in census(token)} & {p.pid for p in forks}, "invisible to the census"
     flow.kill()
     flow.wait()
-    deadline, alive = time.time() + 10, forks
-    while alive and time.time() < deadline:
-        alive = [p for p in alive if lives(p)]
-        time.sleep(0.1)
-    for p in alive:
-        p.kill()
+    alive = survivors([p.pid for p in forks], timeout_s=10)
+    for p in forks:
+        if p.pid in alive:
+            p.kill()
     assert not alive, f"forks outlived their flow process: {alive}"
-
-
-def lives(proc: psutil.Process) -> bool:
-    """PROC runs still: not gone, and not a zombie its new parent has yet to reap."""
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 STALLER = textwrap.dedent(
