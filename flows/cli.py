@@ -40,13 +40,18 @@ SetOpt = Annotated[
 
 def runs_flows(command):
     """For a command that runs flows in this process: what it starts from here on, Prefect's temporary API
-    server included, is killed once the process is gone, however it ends (infra/procs.py `reap_when_gone`)."""
+    server included, is killed once the process is gone, however it ends (infra/procs.py `reap_when_gone`), and
+    that server runs in a session of its own, so a Ctrl-C reaches the flow and not the server it reports to."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         from infra.procs import reap_when_gone
 
         reap_when_gone()
+        if not kwargs.get("dry_run"):  # a dry run starts no server: it does not import Prefect's
+            from flows.server import temporary_server_of_its_own
+
+            temporary_server_of_its_own()
         return command(*args, **kwargs)
 
     return wrapper

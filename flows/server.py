@@ -220,6 +220,30 @@ class Server:
         return "# source this file to use the local Prefect server from a shell\n" + "\n".join(lines) + "\n"
 
 
+def temporary_server_of_its_own() -> None:
+    """Where no PREFECT_API_URL is set, Prefect starts a temporary API server on a client's first call: make it start in
+    a session of its own. In the caller's process group, a Ctrl-C (SIGINT to the terminal's foreground group) or a
+    SIGTERM to the group stopped the server together with the flow, and the flow process then retried the dead server
+    for ~5 minutes to report how it ended. Now the flow reports, ends and stops the server (Prefect's atexit); a killed
+    caller's server is reaped, as it carries the caller's tree mark (infra/procs.py)."""
+    import functools
+
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    class OwnSession(SubprocessASGIServer):
+        def _run_uvicorn_command(self) -> subprocess.Popen:
+            popen = subprocess.Popen  # Prefect's own command, started with a session of its own
+            subprocess.Popen = functools.partial(popen, start_new_session=True)
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                subprocess.Popen = popen
+
+    if not PREFECT_API_URL.value():
+        OwnSession()  # the instance Prefect's clients find under the default key, not yet started
+
+
 def configure(pool: str, queues: dict[str, int]) -> None:
     """Runs against PREFECT_API_URL: create what is missing, leave what exists; the automation is replaced."""
     from prefect.automations import Automation

@@ -328,9 +328,13 @@ def test_a_terminated_run_scores_nothing_new_and_exits(tmp_path, prefect_server)
 
 
 @pytest.mark.slow
-def test_a_killed_cli_takes_every_process_it_started_with_it_prefects_temporary_server_included(tmp_path):
-    """SIGKILL of `smolflow stage curate` alone (not its group), with no Prefect server set: Prefect's temporary
-    API server, the pool's forkserver and its workers carry the CLI's tree mark and are reaped within seconds."""
+@pytest.mark.parametrize("how", ["sigkill", "ctrl-c"])
+def test_a_killed_or_interrupted_cli_ends_and_takes_every_process_it_started_with_it_prefects_temporary_server_included(how, tmp_path):
+    """`smolflow stage curate` with no Prefect server set, while its filter step runs. SIGKILL of the CLI alone:
+    Prefect's temporary API server, the pool's forkserver and its workers carry the CLI's tree mark and are reaped
+    within seconds. A Ctrl-C (SIGINT to its process group, as a terminal sends it): the server, in a session of its
+    own, does not get it, so the flow reports how it ended to a live server and the CLI exits; in the CLI's group the
+    server died with the flow, and the CLI retried it for ~5 minutes ("Error logging to API")."""
     import os
     import signal
     import time
@@ -342,7 +346,9 @@ def test_a_killed_cli_takes_every_process_it_started_with_it_prefects_temporary_
     recipe = write_recipe(tmp_path / "micro.yaml", micro_recipe(**{"executor.workers": 2}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}  # Prefect starts its temporary server
     cmd = [str(Path(sys.executable).parent / "smolflow"), "stage", "curate", str(recipe), "--run-dir", str(tmp_path / "run")]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = tmp_path / "cli.log"
+    with open(out, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     cli = psutil.Process(proc.pid)
     token = Proc.of(cli.pid).token
     deadline = time.time() + 300
@@ -352,8 +358,18 @@ def test_a_killed_cli_takes_every_process_it_started_with_it_prefects_temporary_
     marked = census(token)
     server = [p for p in marked if "uvicorn" in p.cmdline()]
     assert server, f"Prefect's temporary server does not carry {TREE_ENV}"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert os.getsid(server[0].pid) != os.getsid(cli.pid), "the temporary server is in the CLI's session"
+    if how == "sigkill":
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    else:
+        os.killpg(cli.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the interrupted CLI still runs 120 s after its Ctrl-C: {out.read_text()[-2000:]}")
+        said = out.read_text(errors="replace")
+        assert proc.returncode != 0 and "Error logging to API" not in said and "Connection refused" not in said, said[-2000:]
     _, alive = psutil.wait_procs(marked, timeout=30)
-    assert not alive, f"outlived the killed CLI: {[' '.join(p.cmdline()[:4]) for p in alive]}"
+    assert not alive, f"outlived the {how} CLI: {[' '.join(p.cmdline()[:4]) for p in alive]}"
     assert not census(token)
