@@ -22,10 +22,10 @@
 5. Full-disk drill (root: a tmpfs): a pretraining phase whose checkpoints go to a disk that holds two
    of them and no more finishes with the losses of the reference phase (it prunes before saving), and
    one on a disk too small for any fails naming the folder and the space needed.
-6. Full disk per stage (root): the whole pipeline on a tmpfs sized to fill during each of --full-stages in
-   turn (the earlier stages' steps plus half of that stage's, from the reference). It must fail naming
-   the disk and its free space, leave every committed step as its manifest records it, and, once the
-   disk is grown, complete with the reference's final metrics.
+6. Full disk per stage (root): the whole pipeline on a tmpfs that fills as each of --full-stages begins (a
+   ballast file leaves half of the most that stage's steps held while they built, sampled during the
+   reference). It must fail naming the disk and its free space, leave every committed step as its
+   manifest records it, and, once the ballast is gone, complete with the reference's final metrics.
 
 Prints one line per event and a summary table; exits non-zero if a check fails.
 """
@@ -37,9 +37,11 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -56,6 +58,7 @@ sys.path.insert(0, str(REPO))
 
 SMOLFLOW = str(Path(sys.executable).with_name("smolflow"))
 MICRO = REPO / "configs" / "micro.yaml"
+DISK_TRACE = "reference.disk.json"  # the reference's DiskTrace, beside it in the workdir
 QUICK = [  # a short ladder that still yields preference pairs (a weak and a stronger SFT model on small sums)
     "postrain.data.families={arithmetic: 1.0}",
     "postrain.data.max_value=5",
@@ -131,10 +134,33 @@ def integrity(run_dir: Path) -> list[str]:
     return problems
 
 
-def compare(reference: dict, drilled: dict, rel: float = 1e-4) -> list[str]:
+def pruned_unscored(run_dir: Path) -> set[str]:
+    """The checkpoints (as the evaluator labels them: `phase1/step00000005`) a trainer of RUN_DIR deleted before the
+    evaluator scored them, as its launch log says. The store holds only so many for an evaluator that falls behind
+    (`tasks/pretrain.py: HOLD_FOR_EVAL`), so which go unscored depends on the evaluator's timing, not on a kill or a
+    full disk: the micro recipe's phase 1 writes 7 checkpoints in about a second."""
+    said = "deleted before the evaluator scored it"
+    return {
+        f"{log.parent.name.removeprefix('pretrain_')}/{tag}"
+        for log in run_dir.glob("pretrain_*/launch.log")
+        for tag in re.findall(rf"checkpoint (step\d+) {said}", log.read_text(errors="replace"))
+    }
+
+
+def compare_runs(reference: Path, drilled: Path) -> list[str]:
+    """`compare` of the two runs' final metrics, where a checkpoint's scores missing from a run whose trainer said it
+    deleted that checkpoint unscored (`pruned_unscored`) are not a difference; the difference is named if it is."""
+    unscored = (pruned_unscored(reference), pruned_unscored(drilled))
+    return compare(final_metrics(reference), final_metrics(drilled), unscored=unscored)
+
+
+def compare(reference: dict, drilled: dict, rel: float = 1e-4, unscored: tuple[set[str], set[str]] = (set(), set())) -> list[str]:
     diffs = []
     for key in sorted(set(reference) | set(drilled)):
         a, b = reference.get(key), drilled.get(key)
+        label = key.split()[1] if key.startswith("eval ") else None
+        if (a is None and label in unscored[0]) or (b is None and label in unscored[1]):
+            continue
         if isinstance(a, float) and isinstance(b, float):
             if abs(a - b) > rel * max(1.0, abs(a)):
                 diffs.append(f"{key}: {a} vs {b}")
@@ -569,59 +595,113 @@ def disk_drill(work: Path) -> tuple[str, list[str]]:
     return f"checkpoints of {size / 2**20:.1f} MiB every {every} steps on {sizes}", problems
 
 
+class DiskTrace:
+    """The most each stage's steps hold while they build (their folders in the store's `.partial/`, checkpoints written
+    and pruned on the way included, which their committed folders do not show), and the most the whole run dir held,
+    sampled every INTERVAL_S from a thread while the run goes: what the stage drill leaves free as a stage begins."""
+
+    INTERVAL_S = 0.5
+
+    def __init__(self, run_dir: Path):
+        from flows.graph import build_graph
+        from infra.recipe import load_recipe
+
+        self.run_dir, self.stages = run_dir, {step.name: step.stage for step in build_graph(load_recipe(MICRO, QUICK)).steps}
+        self.peaks, self.most = {}, 0  # stage -> bytes; bytes of the whole run dir
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+
+    def sample(self) -> None:
+        from infra.steps import PARTIAL
+
+        while not self.done.wait(self.INTERVAL_S):
+            held: dict[str, int] = {}
+            for folder in listing(self.run_dir / "steps" / PARTIAL):
+                if stage := self.stages.get(folder.name.rsplit("-", 1)[0]):
+                    held[stage] = held.get(stage, 0) + tree_bytes(folder)
+            for stage, size in held.items():
+                self.peaks[stage] = max(self.peaks.get(stage, 0), size)
+            self.most = max(self.most, tree_bytes(self.run_dir))
+
+    def __enter__(self) -> DiskTrace:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def listing(folder: Path) -> list[Path]:
+    """FOLDER's folders, none if it is not there (yet, or any more)."""
+    try:
+        return [p for p in folder.iterdir() if p.is_dir()]
+    except FileNotFoundError:
+        return []
+
+
 def stage_disk_drill(work: Path, stages: list[str]) -> tuple[list[str], list[str]]:
-    """The pipeline again on a tmpfs that fills during each of STAGES in turn, sized from the reference's committed
-    steps: the earlier stages' plus half of that stage's. The run must fail with a message naming the disk and its free
-    space, every committed step must still match its manifest, and once the disk is grown the relaunch must complete
-    with the reference's final metrics. Returns a row per stage and the problems."""
+    """The pipeline again on a tmpfs that fills as each of STAGES begins: once one of its steps has a folder in the
+    store's `.partial/`, a ballast file takes all the free space but half of the most that stage's steps held while
+    they built in the reference (`DiskTrace`). The run must fail with a message
+    naming the disk and its free space, every committed step must still match its manifest, and once the ballast is
+    gone the relaunch must complete with the reference's final metrics. Returns a row per stage and the problems."""
     if os.geteuid() != 0:
         return ["| full disk, per stage | none | skipped: mounting a tmpfs needs root | 0 |"], []
     from flows.graph import STAGES, build_graph
     from infra.recipe import load_recipe
-    from infra.steps import MANIFEST
+    from infra.steps import MANIFEST, PARTIAL
 
     graph = build_graph(load_recipe(MICRO, QUICK))
-    stage_of = {step.name: step.stage for step in graph.steps}
-    reference = work / "reference"
-    footprint: dict[str, int] = {}  # stage -> bytes of its committed steps in the reference's store
-    for folder in (reference / "steps").iterdir():
-        if folder.is_dir() and (stage := stage_of.get(folder.name.rsplit("-", 1)[0])):
-            footprint[stage] = footprint.get(stage, 0) + tree_bytes(folder)
-    order = [s for s in STAGES if s in footprint]
+    reference, traced = work / "reference", work / DISK_TRACE
+    if not traced.is_file():
+        return [f"| full disk, per stage | none | skipped: no {DISK_TRACE} beside a kept reference: rerun it | 0 |"], []
+    trace = json.loads(traced.read_text())
+    order, names = [s for s in STAGES if s in trace["peaks"]], {s: {step.name for step in graph.stage(s)} for s in STAGES}
     rows, problems = [], []
     for stage in stages:
         started, found = time.time(), []
-        size = sum(footprint[s] for s in order[: order.index(stage)]) + footprint[stage] // 2
+        left = trace["peaks"].get(stage, 0) // 2 // 4096 * 4096  # what the stage finds free: half its peak, in whole pages
         disk, log = work / f"full-{stage}", work / f"full-{stage}.log"
         disk.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], check=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={4 * trace['most']}", "tmpfs", str(disk)], check=True)
         try:
-            run_dir = disk / "run"
-            code = start_pipeline(MICRO, run_dir, log).wait()
+            run_dir, ballast = disk / "run", disk / "ballast"
+            pipeline = start_pipeline(MICRO, run_dir, log)
+            building = run_dir / "steps" / PARTIAL
+            while pipeline.poll() is None and not any(p.name.rsplit("-", 1)[0] in names[stage] for p in listing(building)):
+                time.sleep(0.1)
+            if pipeline.poll() is None:
+                with open(ballast, "wb") as f:
+                    free = os.statvfs(disk)
+                    os.posix_fallocate(f.fileno(), 0, max(4096, free.f_bavail * free.f_frsize - left))
+            code = pipeline.wait()
             lines = log.read_text(errors="replace").splitlines()
             failed_in = next((s for s in order if any(not (run_dir / st.name / MANIFEST).exists() for st in graph.stage(s))), None)
             named = [line for line in lines if "DiskFull" in line and str(disk) in line and "MiB free" in line]  # a step's, a checkpoint's
-            if code == 0:
-                found.append(f"{stage}: the run completed on a disk of {size / 2**20:.0f} MiB")
+            if not ballast.exists():
+                found.append(f"{stage}: the run ended (exit {code}) before {stage} began (see {log})")
+            elif code == 0:
+                found.append(f"{stage}: the run completed on a disk with {left / 2**20:.1f} MiB free as {stage} began")
             elif not named:
                 said = next((line for line in lines if "no space left" in line.lower()), "(no line says so)")
                 found.append(f"{stage}: the failure does not name the disk and its free space: {said.strip()[:300]}")
+            elif failed_in != stage:
+                found.append(f"{stage}: the disk filled as {stage} began, but the run stopped in {failed_in}")
             if retried := [line for line in lines if "will start" in line and "Retry" in line]:  # Prefect's retry line
                 found.append(f"{stage}: a full disk was retried {len(retried)}x, as if a retry could fix it: {retried[0].strip()[:200]}")
             found += [f"{stage}: committed file damaged: {rel}" for rel in damaged(run_dir / "steps")]
-            subprocess.run(["mount", "-o", f"remount,size={4 * sum(footprint.values())}", str(disk)], check=True)
+            ballast.unlink(missing_ok=True)
             if start_pipeline(MICRO, run_dir, log).wait() != 0:
-                found.append(f"{stage}: the relaunch on the grown disk failed (see {log})")
+                found.append(f"{stage}: the relaunch with the space back failed (see {log})")
             else:
-                found += [f"{stage}: {d}" for d in compare(final_metrics(reference), final_metrics(run_dir))]
+                found += [f"{stage}: {d}" for d in compare_runs(reference, run_dir)]
         finally:
             subprocess.run(["umount", "-l", str(disk)], check=False)
         message = named[0].split("DiskFull", 1)[1].strip(" :'(").replace(str(disk), "<disk>")[:160] if code and named else "-"
         verdict = "OK: named, nothing committed damaged, the relaunch ends as the reference" if not found else "FAILED"
-        if not found and code and failed_in != stage:  # sized from committed steps: an earlier stage's peak is larger
-            verdict += f"; but the disk filled in {failed_in}, before {stage} wrote"
         rows.append(
-            f"| full disk in {stage} | tmpfs of {size / 2**20:.0f} MiB, failed in {failed_in} (exit {code}): {message} "
+            f"| full disk in {stage} | {left / 2**20:.1f} MiB free as it began, failed in {failed_in} (exit {code}): {message} "
             f"| {verdict} | {time.time() - started:.0f} |"
         )
         problems += found
@@ -629,8 +709,15 @@ def stage_disk_drill(work: Path, stages: list[str]) -> tuple[list[str], list[str
 
 
 def tree_bytes(root: Path) -> int:
-    """What ROOT's files take on a tmpfs: each rounded up to whole 4 KiB pages."""
-    return sum(-(-p.stat().st_size // 4096) * 4096 for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    """What ROOT's files take on a tmpfs, each rounded up to whole 4 KiB pages; links are not followed, and a file that
+    goes while it is counted (a running build's) counts nothing."""
+    total = 0
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                if not stat.S_ISLNK((st := os.lstat(os.path.join(folder, name))).st_mode):
+                    total += -(-st.st_size // 4096) * 4096
+    return total
 
 
 def damaged(store: Path) -> list[str]:
@@ -656,7 +743,9 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="keep run dirs here (default: a temp dir, removed)")
     parser.add_argument("--slurm-kills", type=int, default=4, help="SIGKILLs in the Slurm drill (a job's rank or the flow process)")
     parser.add_argument("--drills", default="kill,slurm,s3,disk,stages", help="which drills to run after the reference (comma-separated)")
-    parser.add_argument("--full-stages", default="curate,pretrain,sft", help="the stages the `stages` drill fills the disk in")
+    parser.add_argument(
+        "--full-stages", default="curate,pretrain,sft,preference,apo,grpo", help="the stages the `stages` drill fills the disk in"
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="smolflow-drills-"))
@@ -667,12 +756,15 @@ def main() -> int:
     started, kept = time.time(), work / "reference.seconds"
     if kept.exists():  # a workdir kept from an earlier drill: its reference is reused
         times["reference"] = float(kept.read_text())
-    elif start_pipeline(recipe, work / "reference", work / "reference.log").wait() != 0:
-        print(f"the reference run failed: {work / 'reference.log'}")
-        return 1
     else:
+        with DiskTrace(work / "reference") as trace:
+            code = start_pipeline(recipe, work / "reference", work / "reference.log").wait()
+        if code != 0:
+            print(f"the reference run failed: {work / 'reference.log'}")
+            return 1
         times["reference"] = time.time() - started
         kept.write_text(str(times["reference"]))
+        (work / DISK_TRACE).write_text(json.dumps({"peaks": trace.peaks, "most": trace.most}))
     print(f"  {times['reference']:.0f} s", flush=True)
 
     chosen, rows, failures = set(args.drills.split(",")), [f"| reference | none | completed | {times['reference']:.0f} |"], []
@@ -681,7 +773,7 @@ def main() -> int:
         started = time.time()
         made, most, problems = kill_drill(recipe, work, args.kills, rng)
         completed = (work / "killed" / "reports" / "card.md").exists()
-        diffs = compare(final_metrics(work / "reference"), final_metrics(work / "killed")) if completed else []
+        diffs = compare_runs(work / "reference", work / "killed") if completed else []
         print(f"  {made} kills; {len(problems)} problems; {len(diffs)} metric differences; most trainers at once: {most}", flush=True)
         verdict = "OK: same final metrics and weights, nothing lost" if not problems and not diffs else "FAILED"
         rows.append(f"| kill | {made} SIGKILLs, most trainers at once {most} | {verdict} | {time.time() - started:.0f} |")
