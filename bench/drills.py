@@ -597,31 +597,21 @@ def disk_drill(work: Path) -> tuple[str, list[str]]:
 
 class DiskTrace:
     """The most each stage's steps hold while they build (their folders in the store's `.partial/`, checkpoints written
-    and pruned on the way included, which their committed folders do not show), and the most the whole run dir held,
-    sampled every INTERVAL_S from a thread while the run goes: what the stage drill leaves free as a stage begins."""
+    and pruned on the way included, which their committed folders do not show), sampled every INTERVAL_S from a thread
+    while the run goes: what the stage drill leaves free as a stage begins."""
 
     INTERVAL_S = 0.5
 
     def __init__(self, run_dir: Path):
-        from flows.graph import build_graph
-        from infra.recipe import load_recipe
-
-        self.run_dir, self.stages = run_dir, {step.name: step.stage for step in build_graph(load_recipe(MICRO, QUICK)).steps}
-        self.peaks, self.most = {}, 0  # stage -> bytes; bytes of the whole run dir
+        self.run_dir, self.stage_of = run_dir, stage_of_steps()
+        self.peaks: dict[str, int] = {}  # stage -> bytes
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.sample, daemon=True)
 
     def sample(self) -> None:
-        from infra.steps import PARTIAL
-
         while not self.done.wait(self.INTERVAL_S):
-            held: dict[str, int] = {}
-            for folder in listing(self.run_dir / "steps" / PARTIAL):
-                if stage := self.stages.get(folder.name.rsplit("-", 1)[0]):
-                    held[stage] = held.get(stage, 0) + tree_bytes(folder)
-            for stage, size in held.items():
-                self.peaks[stage] = max(self.peaks.get(stage, 0), size)
-            self.most = max(self.most, tree_bytes(self.run_dir))
+            for stage, folders in building(self.run_dir, self.stage_of).items():
+                self.peaks[stage] = max(self.peaks.get(stage, 0), sum(map(tree_bytes, folders)))
 
     def __enter__(self) -> DiskTrace:
         self.thread.start()
@@ -632,12 +622,25 @@ class DiskTrace:
         self.thread.join()
 
 
-def listing(folder: Path) -> list[Path]:
-    """FOLDER's folders, none if it is not there (yet, or any more)."""
-    try:
-        return [p for p in folder.iterdir() if p.is_dir()]
-    except FileNotFoundError:
-        return []
+def stage_of_steps() -> dict[str, str]:
+    """Step name -> its stage, in the drills' pipeline."""
+    from flows.graph import build_graph
+    from infra.recipe import load_recipe
+
+    return {step.name: step.stage for step in build_graph(load_recipe(MICRO, QUICK)).steps}
+
+
+def building(run_dir: Path, stage_of: dict[str, str]) -> dict[str, list[Path]]:
+    """The stages with steps being built in RUN_DIR's store (folders in `.partial/`), and those folders; none before
+    the store is made."""
+    from infra.steps import PARTIAL
+
+    out: dict[str, list[Path]] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for folder in (run_dir / "steps" / PARTIAL).iterdir():
+            if folder.is_dir() and (stage := stage_of.get(folder.name.rsplit("-", 1)[0])):
+                out.setdefault(stage, []).append(folder)
+    return out
 
 
 def stage_disk_drill(work: Path, stages: list[str]) -> tuple[list[str], list[str]]:
@@ -650,26 +653,25 @@ def stage_disk_drill(work: Path, stages: list[str]) -> tuple[list[str], list[str
         return ["| full disk, per stage | none | skipped: mounting a tmpfs needs root | 0 |"], []
     from flows.graph import STAGES, build_graph
     from infra.recipe import load_recipe
-    from infra.steps import MANIFEST, PARTIAL
+    from infra.steps import MANIFEST
 
-    graph = build_graph(load_recipe(MICRO, QUICK))
+    graph, stage_of = build_graph(load_recipe(MICRO, QUICK)), stage_of_steps()
     reference, traced = work / "reference", work / DISK_TRACE
     if not traced.is_file():
         return [f"| full disk, per stage | none | skipped: no {DISK_TRACE} beside a kept reference: rerun it | 0 |"], []
-    trace = json.loads(traced.read_text())
-    order, names = [s for s in STAGES if s in trace["peaks"]], {s: {step.name for step in graph.stage(s)} for s in STAGES}
+    peaks = json.loads(traced.read_text())
+    order, size = [s for s in STAGES if graph.stage(s)], 4 * tree_bytes(reference)  # room for any stage but the ballast
     rows, problems = [], []
     for stage in stages:
         started, found = time.time(), []
-        left = trace["peaks"].get(stage, 0) // 2 // 4096 * 4096  # what the stage finds free: half its peak, in whole pages
+        left = peaks.get(stage, 0) // 2 // 4096 * 4096  # what the stage finds free: half its peak, in whole pages
         disk, log = work / f"full-{stage}", work / f"full-{stage}.log"
         disk.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={4 * trace['most']}", "tmpfs", str(disk)], check=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], check=True)
         try:
             run_dir, ballast = disk / "run", disk / "ballast"
             pipeline = start_pipeline(MICRO, run_dir, log)
-            building = run_dir / "steps" / PARTIAL
-            while pipeline.poll() is None and not any(p.name.rsplit("-", 1)[0] in names[stage] for p in listing(building)):
+            while pipeline.poll() is None and stage not in building(run_dir, stage_of):
                 time.sleep(0.1)
             if pipeline.poll() is None:
                 with open(ballast, "wb") as f:
@@ -764,7 +766,7 @@ def main() -> int:
             return 1
         times["reference"] = time.time() - started
         kept.write_text(str(times["reference"]))
-        (work / DISK_TRACE).write_text(json.dumps({"peaks": trace.peaks, "most": trace.most}))
+        (work / DISK_TRACE).write_text(json.dumps(trace.peaks))
     print(f"  {times['reference']:.0f} s", flush=True)
 
     chosen, rows, failures = set(args.drills.split(",")), [f"| reference | none | completed | {times['reference']:.0f} |"], []
