@@ -24,10 +24,11 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
 )
 
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML, e.g. configs/tiny.yaml.", show_default=False)]
-RunDirOpt = Annotated[str | None, typer.Option("--run-dir", help="Folder for every step's outputs (default: runs/<recipe name>).")]
+RunDirOpt = Annotated[str | None, typer.Option("--run-dir", help="Folder for every step's outputs (default: `runs/<recipe name>`).")]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -260,7 +261,7 @@ def stage(
 @runs_flows
 def ablate(
     ablation: Annotated[Path, typer.Argument(help="Ablation file, e.g. configs/ablations/apo_vs_dpo.yaml.", show_default=False)],
-    run_dir: Annotated[str | None, typer.Option("--run-dir", help="Folder of the ablation (default: runs/ablations/<name>).")] = None,
+    run_dir: Annotated[str | None, typer.Option("--run-dir", help="Folder of the ablation (default: `runs/ablations/<name>`).")] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Per run, which steps are cached, built, or shared with other runs; run nothing.")
     ] = False,
@@ -270,7 +271,9 @@ def ablate(
 
     An ablation file names a base recipe and variants (a name + `--set` overrides each), and seeds per variant.
     Each variant x seed is a run dir under the ablation's folder; steps with the same identity are built once.
-    report/ablation.md gives each variant's scores ± standard error and the difference from the baseline with a 95% interval."""
+    report/ablation.md compares each variant with the baseline over the items both answered (a paired interval,
+    McNemar for right/wrong items) and calls it better or worse only beyond the noise floor the baseline's seeds
+    measure; it says which eval tasks carry signal (`smolflow evals audit`)."""
     from flows.ablation import ablation_flow, explain, open_ablation
     from flows.ablation import report as ablation_report
 
@@ -289,7 +292,7 @@ def ablate(
 @runs_flows
 def swarm(
     swarm_file: Annotated[Path, typer.Argument(help="Swarm file, e.g. configs/swarms/mix_phase1.yaml.", show_default=False)],
-    run_dir: Annotated[str | None, typer.Option("--run-dir", help="Folder of the swarm (default: runs/swarms/<name>).")] = None,
+    run_dir: Annotated[str | None, typer.Option("--run-dir", help="Folder of the swarm (default: `runs/swarms/<name>`).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="The proxies' mixtures and what each would build; run nothing.")] = False,
     report_only: Annotated[bool, typer.Option("--report", help="Only refit and rewrite the report from what the proxies hold.")] = False,
     set_: SetOpt = None,

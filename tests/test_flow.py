@@ -95,9 +95,15 @@ def test_curate_reads_raw_from_s3_and_mirrors_every_step(tmp_path, prefect_serve
 
 
 def test_cli_help_and_clear_errors(tmp_path):
+    import os
+
     smolflow = [str(Path(sys.executable).parent / "smolflow")]  # the installed entry point
     out = subprocess.run([*smolflow, "--help"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0 and all(cmd in out.stdout for cmd in ("validate", "run", "stage"))
+    wide = {**os.environ, "COLUMNS": "300"}
+    out = subprocess.run([*smolflow, "swarm", "--help"], capture_output=True, text=True, cwd=REPO, env=wide)
+    assert "(Dirichlet, seeded, within the bounds" in out.stdout  # the docstring's line breaks reflowed to the terminal
+    assert "runs/swarms/<name>" in out.stdout  # not taken for an HTML tag
     data = micro_recipe()
     data["pretrain"]["phases"][0]["mixture"]["prose"] = 0.9
     bad = write_recipe(tmp_path / "bad.yaml", data)
