@@ -414,9 +414,9 @@ def slurm_drill(work: Path, rng: random.Random, kills: int) -> tuple[int, int, l
     second trainer beside it). Returns (kills made, most trainers alive at once, problems): afterwards the run
     completed with the reference's pretraining losses and weights, no job is left in the queue, and no process
     of a killed flow outlived it."""
-    from flows.cluster import Slurm
+    from flows.cluster import Slurm, free_port_pair
 
-    cluster = Slurm(state=work / "slurm", port=_free_port())
+    cluster = Slurm(state=work / "slurm", port=free_port_pair())
     cluster.start(timeout_s=180, say=lambda line: None)
     os.environ["SLURM_CONF"] = str(cluster.conf)
     run_dir, log = work / "slurm-run", work / "slurm-run.log"
@@ -475,7 +475,9 @@ def checkpoints(run_dir: Path) -> set[str]:
 
 
 def s3_drill(work: Path, rng: random.Random, outages: int, seconds: float) -> tuple[int, list[str]]:
-    port = _free_port()
+    from infra.launch import free_port
+
+    port = free_port()
     moto = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -531,12 +533,6 @@ def s3_drill(work: Path, rng: random.Random, outages: int, seconds: float) -> tu
         return cut, problems + integrity(run_dir)
     finally:
         moto.kill()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -87,6 +88,15 @@ def port_taken(port: int) -> str | None:
             with contextlib.suppress(psutil.Error):
                 return f"pid {conn.pid} ({psutil.Process(conn.pid).name()})"
     return "another socket"
+
+
+def free_port_pair() -> int:
+    """P with P and P+1 both free, below Linux's ephemeral range (32768 up), where no connection's own port lands: a
+    local Slurm cluster listens on both. (A free port + 1 was once an open connection's, and slurmd could not start.)"""
+    while True:
+        port = random.randrange(20000, 32766)
+        if port_taken(port) is None and port_taken(port + 1) is None:
+            return port
 
 
 def _sbin(cmd: str) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import psutil
 import pytest
 
 from infra.env import apply_offline_defaults, cores
+from infra.launch import free_port
 from infra.recipe import Strict
 from infra.steps import NoInputs
 from infra.summaries import Summary
@@ -201,23 +201,6 @@ def prefect_server(request, tmp_path_factory):
         yield
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_pair() -> int:
-    """P with P and P+1 both free, below Linux's ephemeral range (32768 up), where no connection's own port lands: the
-    local Slurm cluster listens on both. (`free_port() + 1` was once an open connection's, and slurmd could not start.)"""
-    from flows.cluster import port_taken  # the daemons' own check
-
-    while True:
-        port = random.randrange(20000, 32766)
-        if port_taken(port) is None and port_taken(port + 1) is None:
-            return port
-
-
 @pytest.fixture(scope="session")
 def s3_server():
     """A real moto S3 server on 127.0.0.1 with dummy credentials in the environment."""
@@ -313,7 +296,7 @@ def slurm(tmp_path_factory):
     """A real single-node Slurm cluster of the test file's own (test_slurm.py and test_cluster.py run one each at once)."""
     if os.geteuid() != 0:
         pytest.skip("the local Slurm cluster needs root (its daemons run as root); CI runs as root")
-    from flows.cluster import Slurm
+    from flows.cluster import Slurm, free_port_pair
 
     cluster = Slurm(state=tmp_path_factory.mktemp("slurm"), port=free_port_pair())
     cluster.start(timeout_s=180)

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from infra.launch import free_port
 from tasks.curation import pipelines
 from tests.clusters import (
     SEEDED,
@@ -23,7 +24,6 @@ from tests.clusters import (
     run_watched,
     scores,
 )
-from tests.conftest import free_port
 from tests.helpers import REPO, built, survivors
 from tests.test_curation import planted  # noqa: F401  (planted: the fixture, curated locally)
 

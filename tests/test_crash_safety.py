@@ -20,14 +20,13 @@ import psutil
 import pytest
 
 from infra.errors import DataError, StepLocked
-from infra.launch import run_streaming
+from infra.launch import free_port, run_streaming
 from infra.locks import acquire
 from infra.procs import HOST, Proc
 from infra.recipe import S3Cfg
 from infra.steps import JOB, LAUNCH_LOG, MANIFEST, Step, fingerprint_tree, run_step
 from infra.storage import CorruptFile, Mirror, StorageError, download_folder, inside, temporaries
 from model.checkpoint import MARKER, CheckpointStore, MirrorBehind
-from tests.conftest import free_port
 from tests.helpers import REPO, survivors
 from tests.test_steps import Cfg
 

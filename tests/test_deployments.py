@@ -24,8 +24,8 @@ import psutil
 import pytest
 
 from flows.server import Server
+from infra.launch import free_port
 from tasks.evaluation.results import run_results
-from tests.conftest import free_port
 from tests.helpers import REPO, logged_steps, losses, micro_recipe, write_recipe
 
 pytestmark = pytest.mark.slow
