@@ -262,6 +262,7 @@ def run_all(abl: Ablation, keep_going: bool = False) -> dict[str, str]:
     until = abl.cfg.until
     started = time.time()
     failed: dict[str, str] = {}
+    ended: list[str] = []  # appended by the runs' threads (a list's append is atomic)
 
     def one(run) -> None:
         if STOPPING.is_set():
@@ -274,6 +275,8 @@ def run_all(abl: Ablation, keep_going: bool = False) -> dict[str, str]:
                 raise
             failed[run.name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             log.error("ablation %s: run %s failed, the others go on: %s", abl.cfg.name, run.name, failed[run.name])
+        ended.append(run.name)
+        log.info(progress(abl.cfg.name, len(ended), len(abl.runs), len(failed), time.time() - started))
 
     if abl.cfg.concurrency == 1:
         for run in abl.runs:
@@ -287,6 +290,14 @@ def run_all(abl: Ablation, keep_going: bool = False) -> dict[str, str]:
     _record_wall_time(abl, seconds)
     log.info("ablation %s: %d runs in %.0f s%s", abl.cfg.name, len(abl.runs), seconds, f", {len(failed)} failed" if failed else "")
     return failed
+
+
+def progress(name: str, ended: int, total: int, failed: int, seconds: float) -> str:
+    """A long ablation's or swarm's line after each run: how many ended, and the time left at the pace so far (runs
+    whose steps were all cached end at once, so the estimate firms up as runs that train end)."""
+    left = total - ended
+    pace = f", about {seconds / ended * left / 60:.1f} min left at this pace" if left else ""
+    return f"ablation {name}: {ended} of {total} runs ended{f' ({failed} failed)' if failed else ''} in {seconds / 60:.1f} min{pace}"
 
 
 def _record_wall_time(abl: Ablation, seconds: float) -> None:

@@ -82,3 +82,16 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def flow_run_logs(flow_run_id) -> list[str]:
+    """What a flow run (not its subflows) logged, as the Prefect API holds it: what a user reads in the UI."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)  # sent in batches by a background worker
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), sort=LogSort.TIMESTAMP_ASC)
+    return [log.message for log in logs]

@@ -14,7 +14,7 @@ import yaml
 
 from infra.errors import SmolflowError
 from infra.recipe import RecipeError
-from tests.helpers import REPO, built, built_folders, micro_recipe, stand_in, write_recipe
+from tests.helpers import REPO, built, built_folders, flow_run_logs, micro_recipe, stand_in, write_recipe
 
 # post-training small enough for a test; checkpoints evaluated on one cloze task, models on one generative one
 FAST = {
@@ -227,7 +227,11 @@ def test_two_variants_at_once_build_each_shared_step_once_and_compare_with_inter
 
     path = ablation_file(tmp_path, SFT_LR, until="sft", concurrency=2, set=ONE_PHASE)  # both variants run at the same time
     root = tmp_path / "abl"
-    report = Path(ablation_flow(str(path), str(root)))
+    state = ablation_flow(str(path), str(root), return_state=True)
+    report = Path(state.result())
+    said = [line for line in flow_run_logs(state.state_details.flow_run_id) if " runs ended in " in line]
+    assert [line.split(": ")[1].split(" in ")[0] for line in said] == ["1 of 2 runs ended", "2 of 2 runs ended"], said
+    assert "min left at this pace" in said[0] and "left" not in said[1]  # progress after each run, the time left until the last
 
     folders = built_folders(root / "steps")
     assert len(folders) == len(set(folders))  # no store folder was built twice
