@@ -265,9 +265,8 @@ def test_a_taken_daemon_port_is_named_before_any_daemon_starts_and_a_daemon_that
         pytest.skip("the local Slurm cluster needs root")
     from flows import cluster as clusters
     from infra.errors import SmolflowError
-    from tests.conftest import free_port_pair
 
-    port = free_port_pair()
+    port = clusters.free_port_pair()
     cluster = clusters.Slurm(state=tmp_path, port=port)
     with socket.socket() as held:
         held.bind(("127.0.0.1", port + 1))
