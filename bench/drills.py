@@ -599,7 +599,7 @@ class DiskTrace:
     INTERVAL_S = 0.5
 
     def __init__(self, run_dir: Path):
-        self.run_dir, self.stage_of = run_dir, stage_of_steps()
+        self.run_dir, self.stage_of = run_dir, stage_of_steps(micro_graph())
         self.peaks: dict[str, int] = {}  # stage -> bytes
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.sample, daemon=True)
@@ -618,12 +618,17 @@ class DiskTrace:
         self.thread.join()
 
 
-def stage_of_steps() -> dict[str, str]:
-    """Step name -> its stage, in the drills' pipeline."""
+def micro_graph():
+    """The step graph of the drills' pipeline."""
     from flows.graph import build_graph
     from infra.recipe import load_recipe
 
-    return {step.name: step.stage for step in build_graph(load_recipe(MICRO, QUICK)).steps}
+    return build_graph(load_recipe(MICRO, QUICK))
+
+
+def stage_of_steps(graph) -> dict[str, str]:
+    """Step name -> its stage."""
+    return {step.name: step.stage for step in graph.steps}
 
 
 def building(run_dir: Path, stage_of: dict[str, str]) -> dict[str, list[Path]]:
@@ -647,11 +652,11 @@ def stage_disk_drill(work: Path, stages: list[str]) -> tuple[list[str], list[str
     gone the relaunch must complete with the reference's final metrics. Returns a row per stage and the problems."""
     if os.geteuid() != 0:
         return ["| full disk, per stage | none | skipped: mounting a tmpfs needs root | 0 |"], []
-    from flows.graph import STAGES, build_graph
-    from infra.recipe import load_recipe
+    from flows.graph import STAGES
     from infra.steps import MANIFEST
 
-    graph, stage_of = build_graph(load_recipe(MICRO, QUICK)), stage_of_steps()
+    graph = micro_graph()
+    stage_of = stage_of_steps(graph)
     reference, traced = work / "reference", work / DISK_TRACE
     if not traced.is_file():
         return [f"| full disk, per stage | none | skipped: no {DISK_TRACE} beside a kept reference: rerun it | 0 |"], []

@@ -44,18 +44,19 @@ def swarm_file(src: Path, dest: Path, proxies: int | None, validation: bool) -> 
 
 
 def walls(root: Path) -> dict[str, float]:
-    """Seconds the swarm's own ablations recorded: the proxies' (ROOT) and the validation's (ROOT/validate)."""
+    """Seconds the swarm's own ablations recorded in this invocation (the last of their records): the proxies' (ROOT)
+    and the validation's (ROOT/validate)."""
     out = {}
     for name, folder in (("proxies", root), ("validation", root / "validate")):
         if (record := folder / "ablation.json").is_file():
-            out[name] = sum(json.loads(record.read_text()).get("wall_seconds", []))
+            out[name] = json.loads(record.read_text())["wall_seconds"][-1]
     return out
 
 
 def run_swarm(spec: Path, root: Path, extra: list[str], log: Path) -> float:
     cmd = [str(Path(sys.executable).with_name("smolflow")), "swarm", str(spec), "--run-dir", str(root)]
     cmd += ["--set", f"storage.store={root / 'steps'}", *(a for x in extra for a in ("--set", x))]
-    print(f"  $ {' '.join(cmd[1:])}  (log: {log})", flush=True)
+    print(f"  $ smolflow {' '.join(cmd[1:])}  (log: {log})", flush=True)
     started = time.time()
     with open(log, "w") as out:
         code = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT).returncode
@@ -80,6 +81,8 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("run as root: the local Slurm cluster's daemons run as root")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="smolflow-swarm-bench-"))
+    if any((work / side).exists() for side in ("local", "slurm")):  # its steps would be cached: nothing to time
+        raise SystemExit(f"{work} holds an earlier run of this bench: give a new --workdir")
     work.mkdir(parents=True, exist_ok=True)
     spec = swarm_file(args.swarm.resolve(), work / "swarm.yaml", args.proxies, not args.no_validation)
     print(f"swarm {args.swarm} ({yaml.safe_load(spec.read_text())['proxies']} proxies) in {work}", flush=True)
