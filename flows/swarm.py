@@ -29,7 +29,20 @@ from tasks.curation.mixtures import MixtureError, resolve_mixtures
 from tasks.curation.pipelines import source_data
 from tasks.evaluation.compare import AblationRunDir, model_results
 from tasks.evaluation.results import main_metric, run_results
-from tasks.evaluation.swarm import FAMILIES, Evidence, Fit, choose, fit, propose, publish, weighted
+from tasks.evaluation.swarm import (
+    FAMILIES,
+    Evidence,
+    Fit,
+    changed_since,
+    choose,
+    draws_on,
+    fit,
+    last_report,
+    propose,
+    publish,
+    reuse_hint,
+    weighted,
+)
 from tasks.pretrain import mixture_phases
 
 CURATION = "curation"
@@ -94,6 +107,7 @@ def explain(swarm: Swarm, draws: Draws, known_tokens: bool) -> list[str]:
         f"swarm {cfg.name}: {cfg.proxies} proxies of {swarm.base.name} in {swarm.root}, searching phase {cfg.phase} "
         f"({swarm.recipe.pretrain.phases[cfg.phase].name}) over {', '.join(swarm.sources)}",
         f"  draws: Dirichlet({cfg.concentration:g} x prior {swarm.as_dict(swarm.prior)}), seed {cfg.seed}; {proxy_name(0)} is the prior",
+        *(f"  frozen: {g} move as one weight, in the prior's proportions {shares}" for g, shares in swarm.groups.frozen.items()),
         f"  each proxy trains {', '.join(ph.name for ph in swarm.recipe.pretrain.phases)}"
         + ("" if cfg.later_phases else " (the phases after the searched one are left out: later_phases: false)"),
         *(f"  {proxy_name(i)}: {swarm.as_dict(w)}" for i, w in enumerate(draws.mixtures)),
@@ -116,6 +130,13 @@ def swarm_flow(swarm: str, run_dir: str | None = None, overrides: Overrides = No
     sw, draws, abl = open_swarm(swarm, run_dir, available, overrides)
     for line in explain(sw, draws, known_tokens=True):
         log.info(line)
+    last = last_report(sw.root)
+    if changed := changed_since(last, domain_fingerprints(sw)):
+        reads = int(draws_on(draws.mixtures, sw.sources, changed).sum())
+        log.warning(
+            "swarm %s: the tokens of %s changed since the last report: the %d of %d proxies that draw on them train again. %s",
+            *(sw.cfg.name, ", ".join(changed), reads, len(draws.mixtures), reuse_hint(changed, sw.sources, last)),
+        )
     failed = run_all(abl, keep_going=True)  # a failed proxy is one point less for the fit, not a failed swarm
     proposal = analyse(sw, draws, abl, available)  # the proxies' evidence is fitted once
     path = report(sw, draws, abl, available, proposal, failed)  # readable while the validation trains
@@ -181,18 +202,20 @@ def analyse(swarm: Swarm, draws: Draws, abl: Ablation, available: dict[str, int]
             f"swarm {swarm.cfg.name}: {len(ev.names)} of {len(abl.runs)} proxies have a score for every target task; a fit needs 4"
             + (f" ({', '.join(unscored)}: no proxy has a score for it; see the proxies' evaluation logs)" if unscored else "")
         )
-    fits = [fit(family, ev.mixtures, ev.scores, swarm.cfg.targets) for family in FAMILIES]
+    fits = [fit(family, ev.mixtures, ev.scores, swarm.cfg.targets, swarm.groups) for family in FAMILIES]
     chosen = choose(fits)
     low, high = bounds_of(swarm.cfg, swarm.sources)
     cap = repetition_cap(swarm, available)
-    best, predicted, candidates = propose(chosen.predict, swarm.prior, swarm.cfg.concentration, low, high, cap, swarm.cfg.seed)
+    best, predicted, candidates = propose(
+        chosen.predict, swarm.prior, swarm.groups, swarm.cfg.concentration, low, high, cap, swarm.cfg.seed
+    )
     return Proposal(ev, fits, chosen, rounded(best), predicted, candidates)  # weights a recipe accepts as written
 
 
 def validation(swarm: Swarm, available: dict[str, int], proposal: Proposal) -> tuple[Ablation, dict[str, str]]:
-    """The proposed, prior (hand-set) and natural (token-proportional) mixtures as an ablation at `validation.scale`
-    x the proxies' tokens, `validation.seeds` seeds each, in the proxies' step store; a mixture the repetition cap
-    refuses at that scale is left out (returned with the reason)."""
+    """The proposed, prior (the recipe's hand-set mixture, or the one the swarm file names) and natural (token-proportional)
+    mixtures as an ablation at `validation.scale` x the proxies' tokens, `validation.seeds` seeds each, in the proxies' step
+    store; a mixture the repetition cap refuses at that scale is left out (returned with the reason)."""
     v = swarm.cfg.validation
     natural = rounded(np.array([available[s] for s in swarm.sources], dtype=float) / sum(available[s] for s in swarm.sources))
     cap = repetition_cap(swarm, available, v.scale)
@@ -315,4 +338,6 @@ def report(
     if swarm.cfg.validation and (swarm.root / VALIDATE).is_dir():
         extra = validated(swarm, p, validation(swarm, available, p)[0])
     bounds = bounds_of(swarm.cfg, swarm.sources)
-    return publish(swarm.root, swarm.cfg.name, header, p.evidence, swarm.cfg.targets, p.fits, proposal, swarm.prior, bounds, extra)
+    return publish(
+        swarm.root, swarm.cfg.name, header, p.evidence, swarm.cfg.targets, p.fits, proposal, swarm.prior, swarm.groups, bounds, extra
+    )

@@ -10,7 +10,8 @@ A swarm file is small YAML:
     seed: 0                     # of the mixture draws (the proxies train with the recipe's seed)
     concentration: 8            # Dirichlet(concentration x prior): larger stays closer to the prior
     sparsity: 0.3               # chance a draw leaves a source out (weight 0): such proxies survive a change of it
-    prior: null                 # default: the base recipe's mixture of that phase
+    prior: null                 # default: the base recipe's mixture of that phase; or a swarm's report.json: its proposal
+    frozen: []                  # sources that keep the prior's proportions among them and move as one
     bounds: {math: [0.05, 0.6]} # per source, [low, high]
     targets: {smol_ppl_prose: 1, smol_ppl_code: 1, smol_ppl_math: 1}   # task -> weight of its main metric
     later_phases: false         # a proxy ends at the searched phase (pretrain.until_phase); true: it trains them all
@@ -20,10 +21,15 @@ The mixtures are drawn here, from a seeded generator, so a rerun draws the same 
 proxy is a step identity the store already knows. A draw outside the bounds, or one the caller's
 `admissible` check refuses (the repetition cap, which needs the curated token counts), is redrawn
 and counted.
+
+`frozen` is Olmix's mixture reuse: after one source's data changed (or a source was added), search it
+against the others as the last proposal mixed them. The frozen sources move as one group, so the draws
+and the fits vary fewer weights and fewer proxies suffice.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +41,7 @@ from infra.ablation import NAME, AblationCfg, VariantCfg, read_spec, shared_reci
 from infra.recipe import Recipe, RecipeError, Strict, operational
 
 MAX_DRAWS = 10_000  # per proxy: bounds and the cap that leave no room fail instead of looping
+PROPOSAL = "proposal"  # the key of a swarm report's (`report/swarm.json`) proposed mixture
 
 
 class ValidationCfg(Strict):
@@ -60,7 +67,16 @@ class SwarmCfg(Strict):
         description="chance a draw leaves out each source whose lower bound is 0 (RegMix's sparse draws): a proxy that "
         "leaves a source out does not read its data, so when that data changes the proxy is reused as it is",
     )
-    prior: dict[str, float] | None = Field(None, description="default: the base recipe's mixture of the phase")
+    prior: dict[str, float] | str | None = Field(
+        None,
+        description="default: the base recipe's mixture of the phase; a path (from the current directory, like run_dir) to "
+        "another swarm's report/swarm.json takes its proposal",
+    )
+    frozen: list[str] = Field(
+        [],
+        description="sources that keep the prior's proportions among them and move as one weight (Olmix's mixture reuse): "
+        "after one source's data changed, search it against the rest as the last proposal mixed them, with fewer proxies",
+    )
     bounds: dict[str, tuple[float, float]] = Field({}, description="per source: [low, high] of its weight")
     targets: dict[str, float] = Field(min_length=1, description="task -> weight of its main metric in the target (lower is better)")
     later_phases: bool = Field(
@@ -79,7 +95,44 @@ class SwarmCfg(Strict):
                 raise ValueError(f"bounds.{source}: [{low}, {high}] is not 0 <= low < high <= 1")
         if any(w <= 0 for w in self.targets.values()):
             raise ValueError("targets: every weight must be > 0")
+        if self.frozen and (len(self.frozen) < 2 or len(set(self.frozen)) < len(self.frozen)):
+            raise ValueError(f"frozen: {self.frozen}: name two sources or more, each once (one source alone moves freely anyway)")
         return self
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The weights a swarm varies: each source alone, but the frozen sources as one group in fixed proportions.
+    `of` maps mixtures of sources to the groups' weights, `expand` maps back; both are identities without `frozen`."""
+
+    sources: list[str]
+    names: list[str]  # a free source's name, or the frozen sources' joined with '+'
+    to_groups: np.ndarray  # (sources, groups): 1 where a source belongs to a group
+    proportions: np.ndarray  # (groups, sources): each group's sources as shares of its weight
+
+    def of(self, w: np.ndarray) -> np.ndarray:
+        return w @ self.to_groups
+
+    def expand(self, v: np.ndarray) -> np.ndarray:
+        return v @ self.proportions
+
+    @property
+    def frozen(self) -> dict[str, dict[str, float]]:
+        """The frozen group (none, or one), as its sources' shares of its weight."""
+        return {
+            name: {s: round(float(x), 6) for s, x in zip(self.sources, share, strict=True) if x > 0}
+            for name, share, members in zip(self.names, self.proportions, self.to_groups.sum(axis=0), strict=True)
+            if members > 1
+        }
+
+
+def grouping(sources: list[str], prior: np.ndarray, frozen: list[str] = ()) -> Groups:
+    """The frozen sources (if any) as one group, in the prior's proportions and where the first of them stands; the others alone."""
+    together = [s for s in sources if s in frozen]
+    blocks = [together if s in frozen else [s] for s in sources if s not in frozen or s == together[0]]
+    to = np.array([[s in block for block in blocks] for s in sources], dtype=float)
+    share = to.T * prior
+    return Groups(sources, ["+".join(b) for b in blocks], to, share / share.sum(axis=1, keepdims=True))
 
 
 @dataclass(frozen=True)
@@ -91,6 +144,7 @@ class Swarm:
     recipe: Recipe  # the base with the shared overrides
     sources: list[str]  # the searched phase's sources, in recipe order
     prior: np.ndarray
+    groups: Groups  # the weights the draws and the fits vary (`frozen` sources as one)
 
     def ablation_cfg(self, mixtures: np.ndarray) -> AblationCfg:
         """The proxies as an ablation's variants: each sets the searched phase's mixture and nothing else."""
@@ -137,14 +191,21 @@ def load_swarm(path: str | Path, run_dir: str | None = None, overrides: list[str
         phases = recipe.pretrain.phases
     mixture = phases[cfg.phase].mixture
     sources = list(mixture)
-    for key, named in (("prior", cfg.prior or {}), ("bounds", cfg.bounds)):
-        if unknown := sorted(set(named) - set(sources)):
-            raise RecipeError(f"{path}: {key}.{unknown[0]}: not a source of phase {phases[cfg.phase].name} ({', '.join(sources)})")
+    if unknown := sorted(set(cfg.bounds) - set(sources)):
+        raise RecipeError(f"{path}: bounds.{unknown[0]}: not a source of phase {phases[cfg.phase].name} ({', '.join(sources)})")
+    for source in cfg.frozen:
+        if source not in sources:
+            raise RecipeError(f"{path}: frozen: {source}: not a source of phase {phases[cfg.phase].name} ({', '.join(sources)})")
+    if len(cfg.frozen) >= len(sources):
+        raise RecipeError(f"{path}: frozen: every source of phase {phases[cfg.phase].name}: leave one or more free to search")
     evaluated = set(recipe.evaluation.checkpoint_tasks)
     if missing := sorted(set(cfg.targets) - evaluated):
         known = ", ".join(sorted(evaluated))
         raise RecipeError(f"{path}: targets.{missing[0]}: not among the recipe's evaluation.checkpoint_tasks ({known})")
-    prior = np.array([(cfg.prior or mixture).get(s, 0.0) for s in sources], dtype=float)
+    given = proposed(path, Path(cfg.prior)) if isinstance(cfg.prior, str) else cfg.prior
+    if unknown := sorted(set(given or {}) - set(sources)):
+        raise RecipeError(f"{path}: prior.{unknown[0]}: not a source of phase {phases[cfg.phase].name} ({', '.join(sources)})")
+    prior = np.array([(given or mixture).get(s, 0.0) for s in sources], dtype=float)
     if (prior <= 0).any():
         raise RecipeError(f"{path}: prior: every source of the phase needs a weight > 0 (a Dirichlet parameter)")
     prior = rounded(prior / prior.sum())  # written into p000's recipe: weights it accepts
@@ -152,7 +213,15 @@ def load_swarm(path: str | Path, run_dir: str | None = None, overrides: list[str
     if low.sum() > 1 or high.sum() < 1:
         raise RecipeError(f"{path}: bounds: no mixture fits them (lows sum to {low.sum():g}, highs to {high.sum():g})")
     root = Path(run_dir or cfg.run_dir or Path("runs") / "swarms" / cfg.name)
-    return Swarm(cfg, path, base, root, recipe, sources, prior)
+    return Swarm(cfg, path, base, root, recipe, sources, prior, grouping(sources, prior, cfg.frozen))
+
+
+def proposed(path: Path, report: Path) -> dict[str, float]:
+    """The mixture another swarm's report proposed: the prior of a swarm that goes on from it."""
+    try:
+        return json.loads(report.read_text())[PROPOSAL]["mixture"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RecipeError(f"{path}: prior: {report}: not a swarm report with a proposal (run that swarm first): {e}") from e
 
 
 def bounds_of(cfg: SwarmCfg, sources: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -173,7 +242,8 @@ def draw_mixtures(swarm: Swarm, n: int, seed: int, admissible: Callable[[np.ndar
     itself comes first when it is admissible: the swarm's anchor, the mixture a hand-set recipe would use."""
     rng = np.random.default_rng(seed)
     low, high = bounds_of(swarm.cfg, swarm.sources)
-    alpha = swarm.cfg.concentration * swarm.prior
+    groups = swarm.groups
+    alpha = swarm.cfg.concentration * groups.of(swarm.prior)
     chosen: list[np.ndarray] = []
     redrawn: dict[str, int] = {}
 
@@ -182,14 +252,14 @@ def draw_mixtures(swarm: Swarm, n: int, seed: int, admissible: Callable[[np.ndar
             return "outside the bounds"
         return admissible(w)
 
-    droppable = low == 0
+    droppable = groups.of(low) == 0
 
     def draw() -> np.ndarray:
-        w = rng.dirichlet(alpha)
+        v = rng.dirichlet(alpha)
         if swarm.cfg.sparsity == 0:
-            return w  # no extra random numbers: a seed's dense draws stay as they were
-        kept = ~droppable | (rng.random(len(w)) >= swarm.cfg.sparsity)
-        return w * kept / (w * kept).sum() if kept.any() else w
+            return groups.expand(v)  # no extra random numbers: a seed's dense draws stay as they were
+        kept = ~droppable | (rng.random(len(v)) >= swarm.cfg.sparsity)
+        return groups.expand(v * kept / (v * kept).sum() if kept.any() else v)
 
     candidates = [swarm.prior]
     while len(chosen) < n:

@@ -17,10 +17,10 @@ from flows.graph import build_graph
 from infra.ablation import resolve_ablation
 from infra.recipe import RecipeError
 from infra.steps import JOB
-from infra.swarm import draw_mixtures, load_swarm, proxy_name
+from infra.swarm import draw_mixtures, grouping, load_swarm, proxy_name
 from tasks.pretrain import train_configs
 from tests.clusters import scores
-from tests.helpers import built, micro_recipe, survivors, write_recipe
+from tests.helpers import REPO, built, flow_run_logs, micro_recipe, survivors, write_recipe
 
 VALIDATED = ("proposed", "prior", "natural")
 PROXIES = [proxy_name(i) for i in range(4)]
@@ -85,6 +85,19 @@ def test_a_swarm_file_is_checked_against_its_base_recipe(tmp_path):
         load_swarm(swarm_file(tmp_path, phase=7))
 
 
+def test_every_shipped_swarm_file_opens_and_the_reuse_swarm_goes_on_from_mix_phase1s_proposal(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where runs/ is: the reuse swarm's prior is mix_phase1's report there
+    report = tmp_path / "runs" / "swarms" / "mix_phase1" / "report" / "swarm.json"
+    report.parent.mkdir(parents=True)
+    report.write_text(json.dumps({"proposal": {"mixture": {"prose": 0.35, "code": 0.054, "math": 0.596}}}))
+    swarms = {path.stem: load_swarm(path) for path in sorted((REPO / "configs" / "swarms").glob("*.yaml"))}
+    assert swarms["mix_phase1_math"].groups.frozen == {
+        "prose+code": pytest.approx({"prose": 0.35 / 0.404, "code": 0.054 / 0.404}, abs=1e-6)
+    }
+    assert swarms["mix_phase1_math"].prior.tolist() == [0.35, 0.054, 0.596]
+    assert swarms["mix_phase1_math"].recipe == swarms["mix_phase1"].recipe, "the proxies' scale-down, the same as mix_phase1's"
+
+
 def test_a_proxy_trains_up_to_the_searched_phase_and_its_learning_rate_decays_there(tmp_path):
     swarm = load_swarm(swarm_file(tmp_path, phase=1))
     runs = resolve_ablation(swarm.ablation_cfg(draw_mixtures(swarm, 4, seed=0).mixtures), swarm.path, tmp_path / "sw").runs
@@ -116,13 +129,14 @@ def test_the_fits_rank_proxies_of_a_planted_law_and_the_proposal_beats_every_pro
     w = rng.dirichlet(6 * prior, 24)
     noise = {k: v * np.exp(rng.normal(0, 0.005, len(w))) for k, v in planted(w).items()}  # measurement noise
     weights = {"prose": 1.0, "code": 1.0, "math": 1.0}
-    fits = [fit(family, w, noise, weights) for family in ("log-linear", "lightgbm")]
+    alone = grouping(["prose", "code", "math"], prior)
+    fits = [fit(family, w, noise, weights, alone) for family in ("log-linear", "lightgbm")]
     by = {f.family: f for f in fits}
     assert by["log-linear"].spearman > 0.95 and all(r > 0.9 for r in by["log-linear"].per_task.values())
     assert by["lightgbm"].spearman > 0.3  # trees on 24 points: a rougher ranking, still with signal
     assert choose(fits).family == "log-linear"
     low, high = np.zeros(3), np.array([1.0, 1.0, 0.4])
-    best, predicted, candidates = propose(choose(fits).predict, prior, 6, low, high, lambda x: None, seed=0)
+    best, predicted, candidates = propose(choose(fits).predict, prior, alone, 6, low, high, lambda x: None, seed=0)
     truth = lambda x: sum(planted(np.atleast_2d(x)).values()) / 3  # noqa: E731
     measured = sum(noise.values()) / 3
     assert best[2] <= 0.4 + 1e-9 and candidates > 1000
@@ -130,11 +144,66 @@ def test_the_fits_rank_proxies_of_a_planted_law_and_the_proposal_beats_every_pro
     assert predicted == pytest.approx(truth(best)[0], rel=0.02)
     # on 4 proxies the trees cannot split: each held-out proxy gets the mean of the others, which ranks them
     # backwards, and the log-linear fit is chosen
-    few = [fit(family, w[:4], {k: v[:4] for k, v in noise.items()}, weights) for family in ("lightgbm", "log-linear")]
+    few = [fit(family, w[:4], {k: v[:4] for k, v in noise.items()}, weights, alone) for family in ("lightgbm", "log-linear")]
     assert few[0].spearman == pytest.approx(-1) and choose(few).family == "log-linear"
     # a constant prediction ranks nothing: n/a, never chosen
     assert np.isnan(rank_agreement(np.ones(4), np.arange(4.0)))
     assert choose([replace(few[1], spearman=math.nan), few[0]]).family == "lightgbm"
+
+
+def test_frozen_sources_move_as_one_in_the_draws_the_fits_and_the_proposal_from_the_last_reports_proposal(tmp_path):
+    """Olmix's mixture reuse: prose and code keep the proportions the last report proposed and move as one weight; the
+    swarm searches math against them, and its proposal and report keep them too."""
+    from tasks.evaluation.swarm import Evidence, choose, fit, propose, publish
+
+    last = tmp_path / "last" / "swarm.json"
+    last.parent.mkdir()
+    last.write_text(json.dumps({"proposal": {"mixture": {"prose": 0.6, "code": 0.2, "math": 0.2}}}))
+    swarm = load_swarm(swarm_file(tmp_path, proxies=12, prior=str(last), frozen=["prose", "code"], bounds={"math": [0.05, 0.6]}))
+    assert swarm.prior.tolist() == [0.6, 0.2, 0.2] and swarm.groups.names == ["prose+code", "math"]
+    w = draw_mixtures(swarm, 12, seed=3).mixtures
+    assert np.allclose(w[0], swarm.prior) and np.allclose(w.sum(axis=1), 1)
+    assert np.allclose(w[:, 0] / w[:, 1], 3, rtol=2e-3), "prose:code stays 3:1 in every draw (to the weights' 4 decimals)"
+    assert np.ptp(w[:, 2]) > 0.2 and (w[:, 2] >= 0.05).all() and (w[:, 2] <= 0.6).all()
+
+    scores = planted(w)  # per-source losses of the whole mixture; the fits see the group's weight and math's alone
+    weights = dict.fromkeys(scores, 1.0)
+    fits = [fit(f, w, scores, weights, swarm.groups) for f in ("log-linear", "lightgbm")]
+    assert choose(fits).family == "log-linear" and choose(fits).spearman > 0.95
+    low, high = np.array([0, 0, 0.05]), np.array([1, 1, 0.6])
+    best, predicted, _ = propose(choose(fits).predict, swarm.prior, swarm.groups, 8, low, high, lambda x: None, seed=0)
+    assert best[0] / best[1] == pytest.approx(3), "the proposal keeps the frozen proportions"
+    line = swarm.groups.expand(np.stack([1 - np.linspace(0.05, 0.6, 551), np.linspace(0.05, 0.6, 551)], axis=1))
+    truth = lambda x: sum(planted(np.atleast_2d(x)).values())  # noqa: E731
+    assert truth(best)[0] <= truth(line).min() * 1.002, "the best math weight on the frozen line, under the true law"
+
+    ev = Evidence(
+        [proxy_name(i) for i in range(12)],
+        swarm.sources,
+        w,
+        scores,
+        dict.fromkeys(scores, "bits_per_byte"),
+        [],
+        dict.fromkeys(swarm.sources, "a" * 24),
+    )
+    proposal = {"mixture": swarm.as_dict(best), "predicted": predicted, "candidates": 1, "family": "log-linear"}
+    path = publish(tmp_path / "mix", "mix", ["# Swarm mix"], ev, weights, fits, proposal, swarm.prior, swarm.groups, (low, high))
+    assert "Frozen (Olmix's mixture reuse): prose+code move as one weight, in the prior's proportions 0.750 prose : 0.250 code" in (
+        path.read_text()
+    )
+    assert json.loads((path.parent / "swarm.json").read_text())["frozen"] == {"prose+code": {"prose": 0.75, "code": 0.25}}
+
+    for frozen, error in (
+        (["prose"], r"frozen: \['prose'\]: name two sources or more"),
+        (["prose", "maths"], r"frozen: maths: not a source of phase phase1"),
+        (["prose", "code", "math"], r"frozen: every source of phase phase1: leave one or more free"),
+    ):
+        with pytest.raises(RecipeError, match=error):
+            load_swarm(swarm_file(tmp_path, frozen=frozen))
+    with pytest.raises(
+        RecipeError, match=r"swarm.yaml: prior: .*nowhere.json: not a swarm report with a proposal \(run that swarm first\)"
+    ):
+        load_swarm(swarm_file(tmp_path, prior=str(tmp_path / "nowhere.json")))
 
 
 def test_the_report_writes_olmix_ratios_and_metrics(tmp_path):
@@ -147,10 +216,11 @@ def test_the_report_writes_olmix_ratios_and_metrics(tmp_path):
     names, metric = [proxy_name(i) for i in range(8)], dict.fromkeys(scores, "bits_per_byte")
     ev = Evidence(names, ["prose", "code", "math"], w, scores, metric, [], domains)
     weights = dict.fromkeys(scores, 1.0)
-    fits = [fit(f, w, scores, weights) for f in ("log-linear", "lightgbm")]
-    proposal = {"mixture": {"prose": 0.3, "code": 0.3, "math": 0.4}, "predicted": 1.0, "candidates": 10, "family": "log-linear"}
     prior, bounds = np.array([0.45, 0.45, 0.1]), (np.zeros(3), np.ones(3))
-    path = publish(tmp_path / "mix", "mix", ["# Swarm mix"], ev, weights, fits, proposal, prior, bounds)
+    alone = grouping(["prose", "code", "math"], prior)
+    fits = [fit(f, w, scores, weights, alone) for f in ("log-linear", "lightgbm")]
+    proposal = {"mixture": {"prose": 0.3, "code": 0.3, "math": 0.4}, "predicted": 1.0, "candidates": 10, "family": "log-linear"}
+    path = publish(tmp_path / "mix", "mix", ["# Swarm mix"], ev, weights, fits, proposal, prior, alone, bounds)
     out = path.parent
     with open(out / "ratios.csv") as f:
         ratios = list(csv.DictReader(f))
@@ -168,14 +238,16 @@ def test_the_report_writes_olmix_ratios_and_metrics(tmp_path):
     assert "## Proposed mixture" in text and "(chosen)" in text and (out / "fit.png").is_file()
     assert "![response curves](response.png)" in text and (out / "response.png").is_file()
     # a source's response: the planted math loss falls along math's weight, the others in the prior's proportions
-    math_fit = fit("log-linear", w, {"smol_ppl_math": scores["smol_ppl_math"]}, {"smol_ppl_math": 1.0})
-    x, predicted = response(math_fit.predict, prior, 2, (0.05, 0.6))
+    math_fit = fit("log-linear", w, {"smol_ppl_math": scores["smol_ppl_math"]}, {"smol_ppl_math": 1.0}, alone)
+    x, predicted = response(math_fit.predict, prior, alone, 2, (0.05, 0.6))
     assert x[0] == 0.05 and x[-1] == 0.6 and (np.diff(predicted) < 0).all()
     assert data["domains"] == domains and "Changed since" not in text
     # the code tokens change: the next report says its evidence was measured on other data
     ev = replace(ev, domains=domains | {"code": "d" * 24})
-    text = publish(tmp_path / "mix", "mix", ["# Swarm mix"], ev, weights, fits, proposal, prior, bounds).read_text()
+    text = publish(tmp_path / "mix", "mix", ["# Swarm mix"], ev, weights, fits, proposal, prior, alone, bounds).read_text()
     assert "**Changed since the last report:** the tokens of code" in text
+    # ... and how to search code alone against prose and math as the last report proposed them (Olmix's mixture reuse)
+    assert "a swarm file with `prior: {prose: 0.3, code: 0.3, math: 0.4}` and `frozen: [prose, math]`" in text
 
 
 def test_a_failed_proxy_is_returned_with_its_error_while_the_others_train(tmp_path, prefect_server, monkeypatch):
@@ -353,8 +425,13 @@ def test_a_rerun_after_one_source_changed_trains_only_the_proxies_that_draw_on_i
     trained = model_ids()
     done = len(built(root / "steps"))
 
-    report = Path(swarm_flow(str(path), str(root), ["embedded.math_problems=500"]))
+    state = swarm_flow(str(path), str(root), ["embedded.math_problems=500"], return_state=True)
+    report = Path(state.result())
     builds = built(root / "steps")[done:]
+    # said before it trained them, with the keys of the cheaper search (math alone against the rest as proposed)
+    [said] = [line for line in flow_run_logs(state.state_details.flow_run_id) if "changed since the last report" in line]
+    assert "the tokens of math changed since the last report: the 2 of 4 proxies that draw on them train again" in said
+    assert "`frozen: [prose, code]`" in said and "`prior: {prose: " in said
     assert builds.count("tokenize") == 1 and builds.count("pretrain_phase1") == 2, builds
     again = model_ids()
     assert [p for p in trained if again[p] == trained[p]] == ["p002", "p003"], "only the proxies without math keep their models"

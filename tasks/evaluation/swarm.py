@@ -1,7 +1,8 @@
 """A swarm's evidence, fits and proposal: proxies' mixtures -> their scores, two regressions chosen by
 out-of-fold rank agreement, the mixture the chosen one predicts best, and the report.
 
-The target is a weighted mean of the swarm's target tasks' main metrics (lower is better: bits per
+With `frozen` sources the fits and the draws vary the groups' weights (infra/swarm.py: Groups), not each
+source's. The target is a weighted mean of the swarm's target tasks' main metrics (lower is better: bits per
 byte). Each task gets its own regression and the target's prediction is their weighted mean, so a
 per-source fit can be reused when another source's data changes. Two model families:
 - log-linear (Olmix's form): log y = w . t, one coefficient per source (the weights sum to 1, so
@@ -26,7 +27,7 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from infra.storage import write_json_atomic
-from infra.swarm import proxy_name
+from infra.swarm import PROPOSAL, Groups, proxy_name
 from tasks.evaluation.plots import artifact, save
 
 Model = Callable[[np.ndarray], np.ndarray]  # mixtures (n, sources) -> predictions (n,)
@@ -77,9 +78,11 @@ def weighted(weights: dict[str, float], values: dict[str, Any]) -> Any:
     return sum(weights[t] * values[t] for t in weights) / sum(weights.values())
 
 
-def fit(family: str, w: np.ndarray, scores: dict[str, np.ndarray], weights: dict[str, float]) -> Fit:
-    """Per-task models of FAMILY; the target's out-of-fold predictions and the full-data predictor."""
+def fit(family: str, mixtures: np.ndarray, scores: dict[str, np.ndarray], weights: dict[str, float], groups: Groups) -> Fit:
+    """Per-task models of FAMILY on the GROUPS' weights; the target's out-of-fold predictions and the full-data predictor
+    (of mixtures of sources)."""
     fitter = FAMILIES[family]
+    w = groups.of(mixtures)
     target = weighted(weights, scores)
     oof = {t: np.empty(len(w)) for t in weights}
     for held in folds_of(len(w)):
@@ -93,7 +96,7 @@ def fit(family: str, w: np.ndarray, scores: dict[str, np.ndarray], weights: dict
         combined,
         rank_agreement(combined, target),
         {t: rank_agreement(oof[t], scores[t]) for t in weights},
-        lambda x: weighted(weights, {t: m(x) for t, m in models.items()}),
+        lambda x: weighted(weights, {t: m(groups.of(x)) for t, m in models.items()}),
     )
 
 
@@ -110,12 +113,12 @@ def choose(fits: list[Fit]) -> Fit:
 
 
 def propose(
-    predict: Model, prior: np.ndarray, concentration: float, low: np.ndarray, high: np.ndarray, admissible, seed: int
+    predict: Model, prior: np.ndarray, groups: Groups, concentration: float, low: np.ndarray, high: np.ndarray, admissible, seed: int
 ) -> tuple[np.ndarray, float, int]:
-    """The admissible candidate with the lowest prediction among Dirichlet draws around the prior (the prior
-    itself included); returns it, its prediction, and how many candidates were admissible."""
+    """The admissible candidate with the lowest prediction among Dirichlet draws of the groups' weights around the
+    prior's (the prior itself included); returns it, its prediction, and how many candidates were admissible."""
     rng = np.random.default_rng([seed, 1])
-    pool = np.vstack([prior, rng.dirichlet(concentration * prior, CANDIDATES)])
+    pool = np.vstack([prior, groups.expand(rng.dirichlet(concentration * groups.of(prior), CANDIDATES))])
     pool = pool[((pool >= low - 1e-12) & (pool <= high + 1e-12)).all(axis=1)]
     predicted = predict(pool)
     kept = 0
@@ -163,6 +166,7 @@ def publish(
     fits: list[Fit],
     proposal: dict,
     prior: np.ndarray,
+    groups: Groups,
     bounds: tuple[np.ndarray, np.ndarray],
     validation: list[str] = (),
 ) -> Path:
@@ -179,7 +183,14 @@ def publish(
     write_olmix_csv(out, name, ev, target)
     chosen = choose(fits)
     tasks = list(weights)
-    lines = [*header, f"Measured on the tokens {', '.join(f'{s} {fp[:12]}' for s, fp in ev.domains.items())}.", *_changed(out, ev), ""]
+    lines = [*header]
+    for g, shares in groups.frozen.items():
+        lines.append(
+            f"Frozen (Olmix's mixture reuse): {g} move as one weight, in the prior's proportions "
+            f"{' : '.join(f'{x:.3f} {s}' for s, x in shares.items())}; the draws and the fits vary {len(groups.names)} weights, "
+            f"not {len(ev.sources)}."
+        )
+    lines += [f"Measured on the tokens {', '.join(f'{s} {fp[:12]}' for s, fp in ev.domains.items())}.", *_changed(out, ev), ""]
     lines += ["## Proxies", ""]
     lines += ["| proxy | " + " | ".join(ev.sources) + " | " + " | ".join(t.removeprefix("smol_") for t in tasks) + " | target |"]
     lines += ["|---" * (2 + len(ev.sources) + len(tasks)) + "|"]
@@ -233,10 +244,11 @@ def publish(
         if validation
         else "A prediction is not a measurement: train the proposal beside the prior at a larger scale before adopting it.",
         "",
-        f"![response curves]({response_curves(chosen, ev, target, prior, bounds, proposal, out).name})",
+        f"![response curves]({response_curves(chosen, ev, target, prior, groups, bounds, proposal, out).name})",
         "",
-        f"Response curves: the {chosen.family} fit's predicted target as one source's weight moves across its bounds, the other "
-        "sources keeping the prior's proportions; the dots are the proxies as measured (their other weights vary too).",
+        f"Response curves: the {chosen.family} fit's predicted target as one weight (a source's, or frozen sources' together) "
+        "moves across its bounds, the others keeping the prior's proportions; the dots are the proxies as measured (their other "
+        "weights vary too).",
     ]
     markdown = "\n".join([*lines, *([""] if validation else []), *validation]) + "\n"
     path = out / "swarm.md"
@@ -261,7 +273,8 @@ def publish(
             "domains": ev.domains,
             "chosen": chosen.family,
             "trusted": trusted,
-            "proposal": proposal,
+            PROPOSAL: proposal,
+            "frozen": groups.frozen,
             "missing": ev.missing,
         },
     )
@@ -269,28 +282,41 @@ def publish(
     return path
 
 
-def response(predict: Model, prior: np.ndarray, j: int, span: tuple[float, float], points: int = 60) -> tuple[np.ndarray, np.ndarray]:
-    """Source J's weight across SPAN (kept inside (0, 1)) and PREDICT's target there, the other sources in the prior's proportions."""
+def response(
+    predict: Model, prior: np.ndarray, groups: Groups, j: int, span: tuple[float, float], points: int = 60
+) -> tuple[np.ndarray, np.ndarray]:
+    """Group J's weight across SPAN (kept inside (0, 1)) and PREDICT's target there, the other groups in the prior's proportions."""
     x = np.linspace(max(span[0], 1e-3), min(span[1], 1 - 1e-3), points)
-    rest = np.delete(prior, j) / np.delete(prior, j).sum()
-    return x, predict(np.insert((1 - x)[:, None] * rest, j, x, axis=1))
+    v = groups.of(prior)
+    rest = np.delete(v, j) / np.delete(v, j).sum()
+    return x, predict(groups.expand(np.insert((1 - x)[:, None] * rest, j, x, axis=1)))
 
 
 def response_curves(
-    chosen: Fit, ev: Evidence, target: np.ndarray, prior: np.ndarray, bounds: tuple[np.ndarray, np.ndarray], proposal: dict, out: Path
+    chosen: Fit,
+    ev: Evidence,
+    target: np.ndarray,
+    prior: np.ndarray,
+    groups: Groups,
+    bounds: tuple[np.ndarray, np.ndarray],
+    proposal: dict,
+    out: Path,
 ) -> Path:
-    """OUT/response.png: per source, the chosen fit's prediction along that source's weight (the rest in the prior's
-    proportions), the proxies' measured targets, the prior and the proposal."""
+    """OUT/response.png: per group (a source, or the frozen sources), the chosen fit's prediction along its weight (the rest
+    in the prior's proportions), the proxies' measured targets, the prior and the proposal."""
     import matplotlib.pyplot as plt
 
-    n = len(ev.sources)
+    n = len(groups.names)
+    low, high = groups.of(bounds[0]), np.minimum(groups.of(bounds[1]), 1)
+    measured = groups.of(ev.mixtures)
+    marks = {"prior": groups.of(prior), "proposed": groups.of(np.array([proposal["mixture"][s] for s in ev.sources]))}
     fig, axes = plt.subplots(1, n, figsize=(3.0 * n, 3.0), sharey=True, squeeze=False)
-    for j, (source, ax) in enumerate(zip(ev.sources, axes[0], strict=True)):
-        ax.plot(*response(chosen.predict, prior, j, (bounds[0][j], bounds[1][j])), color="C0", label=chosen.family)
-        ax.scatter(ev.mixtures[:, j], target, s=10, color="grey", label="proxies")
-        ax.axvline(prior[j], color="black", linestyle=":", linewidth=0.8, label="prior")
-        ax.axvline(proposal["mixture"][source], color="C3", linestyle="--", linewidth=0.8, label="proposed")
-        ax.set(xlabel=f"{source} weight", ylabel="target" if j == 0 else None)
+    for j, (name, ax) in enumerate(zip(groups.names, axes[0], strict=True)):
+        ax.plot(*response(chosen.predict, prior, groups, j, (low[j], high[j])), color="C0", label=chosen.family)
+        ax.scatter(measured[:, j], target, s=10, color="grey", label="proxies")
+        ax.axvline(marks["prior"][j], color="black", linestyle=":", linewidth=0.8, label="prior")
+        ax.axvline(marks["proposed"][j], color="C3", linestyle="--", linewidth=0.8, label="proposed")
+        ax.set(xlabel=f"{name} weight", ylabel="target" if j == 0 else None)
     axes[0][0].legend(fontsize=6)
     return save(fig, out / "response.png")
 
@@ -300,18 +326,46 @@ def _number(r: float) -> float | None:
     return None if math.isnan(r) else r
 
 
+def last_report(root: Path) -> dict:
+    """The swarm's last report (ROOT/report/swarm.json), or {} before the first."""
+    last = root / "report" / "swarm.json"
+    return json.loads(last.read_text()) if last.is_file() else {}
+
+
+def changed_since(last: dict, domains: dict[str, str]) -> list[str]:
+    """The sources whose tokens differ from those the LAST report was measured on."""
+    before = last.get("domains", {})
+    return [s for s in domains if s in before and before[s] != domains[s]]
+
+
+def draws_on(mixtures: np.ndarray, sources: list[str], some: list[str]) -> np.ndarray:
+    """Which mixtures give any of SOME a weight (their proxies read those sources' tokens)."""
+    return (mixtures[:, [sources.index(s) for s in some]] > 0).any(axis=1)
+
+
+def reuse_hint(changed: list[str], sources: list[str], last: dict) -> str:
+    """Olmix's mixture reuse: the swarm file's two keys that search only CHANGED against the rest as LAST proposed them."""
+    rest = [s for s in sources if s not in changed]
+    if len(rest) < 2 or PROPOSAL not in last:
+        return ""
+    mixture = last[PROPOSAL]["mixture"]
+    prior = ", ".join(f"{s}: {mixture[s]:g}" for s in sources if s in mixture)
+    return (
+        f"To search only {', '.join(changed)} against the other sources as the last report proposed them, with fewer proxies "
+        f"(Olmix's mixture reuse): a swarm file with `prior: {{{prior}}}` and `frozen: [{', '.join(rest)}]`."
+    )
+
+
 def _changed(out: Path, ev: Evidence) -> list[str]:
     """What changed in the data since the last report: its evidence (and every fit on it) was measured on other tokens."""
-    last = out / "swarm.json"
-    before = json.loads(last.read_text()).get("domains", {}) if last.is_file() else {}
-    changed = [s for s in ev.domains if s in before and before[s] != ev.domains[s]]
-    if not changed:
+    last = last_report(out.parent)
+    if not (changed := changed_since(last, ev.domains)):
         return []
-    reads = (ev.mixtures[:, [ev.sources.index(s) for s in changed]] > 0).any(axis=1)
+    reads = draws_on(ev.mixtures, ev.sources, changed)
     kept = [n for n, r in zip(ev.names, reads, strict=True) if not r]
     return [
         f"**Changed since the last report:** the tokens of {', '.join(changed)} (curation made other data). "
         f"{int(reads.sum())} proxies that draw on them were trained on the new tokens; {len(kept)} that leave them out were "
         f"reused as they were ({', '.join(kept) or 'none'}: their data is unchanged, and their scores on the new held-out data "
-        "were measured again). Every coefficient fitted before for these sources is stale."
+        "were measured again). Every coefficient fitted before for these sources is stale. " + reuse_hint(changed, ev.sources, last)
     ]
