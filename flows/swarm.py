@@ -25,7 +25,7 @@ from flows.pipeline import STAGE_FLOWS, Overrides
 from infra.ablation import Ablation, AblationCfg, AblationRun, VariantCfg, resolve_ablation
 from infra.steps import MANIFEST, finished, part_fingerprint
 from infra.swarm import Draws, Swarm, bounds_of, draw_mixtures, load_swarm, proxy_name, rounded
-from tasks.curation.mixtures import MixtureError, resolve_mixtures
+from tasks.curation.mixtures import MixtureError, resolve_mixtures, windows
 from tasks.curation.pipelines import source_data
 from tasks.evaluation.compare import AblationRunDir, model_results
 from tasks.evaluation.results import main_metric, run_results
@@ -48,6 +48,7 @@ from tasks.pretrain import mixture_phases
 CURATION = "curation"
 VALIDATE = "validate"  # ROOT/validate: the proposal beside the prior and the natural mixture at a larger scale
 CAP = "over the repetition cap (pretrain.max_epochs)"
+SAME = "the same training data as an earlier proxy (every source's seq_len windows)"
 
 
 def available_tokens(swarm: Swarm) -> dict[str, int]:
@@ -90,13 +91,31 @@ def repetition_cap(swarm: Swarm, available: dict[str, int], scale: int = 1):
     return admissible
 
 
+def new_data(swarm: Swarm):
+    """Refuses a draw that trains on the same windows of each source as an earlier admitted one (weights closer than one
+    window apart): its proxy would repeat that one's run, and the fit would count one measurement twice. Checked last,
+    so every draw it sees is admitted unless it says why not."""
+    phase = mixture_phases(swarm.recipe.pretrain)[swarm.cfg.phase]
+    seen: set[tuple] = set()
+
+    def admissible(w: np.ndarray) -> str | None:
+        key = tuple(windows(phase.model_copy(update={"mixture": swarm.mixture(w)})).items())
+        if key in seen:
+            return SAME
+        seen.add(key)
+        return None
+
+    return admissible
+
+
 def open_swarm(
     path: str, run_dir: str | None = None, available: dict[str, int] | None = None, overrides: list[str] | None = None
 ) -> tuple[Swarm, Draws, Ablation]:
     """The swarm, its proxies' mixtures (within the cap when AVAILABLE is known) and the ablation that trains them."""
     swarm = load_swarm(path, run_dir, overrides)
-    admissible = repetition_cap(swarm, available) if available is not None else (lambda w: None)
-    draws = draw_mixtures(swarm, swarm.cfg.proxies, swarm.cfg.seed, admissible)
+    cap = repetition_cap(swarm, available) if available is not None else (lambda w: None)
+    fresh = new_data(swarm)
+    draws = draw_mixtures(swarm, swarm.cfg.proxies, swarm.cfg.seed, lambda w: cap(w) or fresh(w))
     return swarm, draws, checked(resolve_ablation(swarm.ablation_cfg(draws.mixtures), swarm.path, swarm.root))
 
 

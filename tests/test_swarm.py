@@ -18,7 +18,8 @@ from infra.ablation import resolve_ablation
 from infra.recipe import RecipeError
 from infra.steps import JOB
 from infra.swarm import draw_mixtures, grouping, load_swarm, proxy_name
-from tasks.pretrain import train_configs
+from tasks.curation.mixtures import windows
+from tasks.pretrain import mixture_phases, train_configs
 from tests.clusters import scores
 from tests.helpers import REPO, built, flow_run_logs, micro_recipe, survivors, write_recipe
 
@@ -83,6 +84,20 @@ def test_a_swarm_file_is_checked_against_its_base_recipe(tmp_path):
         load_swarm(swarm_file(tmp_path, bounds={"math": [0.6, 0.9], "code": [0.5, 0.9]}))
     with pytest.raises(RecipeError, match=r"phase: 7 is not a phase index"):
         load_swarm(swarm_file(tmp_path, phase=7))
+
+
+def test_no_two_proxies_train_on_the_same_data(tmp_path):
+    """Weights closer than one seq_len window of each source make the same training data: such a draw is redrawn and
+    counted, or its proxy would repeat an earlier run and the fit would count one measurement twice. One free weight
+    (frozen prose and code) over the micro recipe's few windows makes such draws likely."""
+    from flows.swarm import SAME, open_swarm
+
+    path = swarm_file(tmp_path, proxies=12, frozen=["prose", "code"], seed=1)
+    swarm, draws, _ = open_swarm(str(path))
+    phase = mixture_phases(swarm.recipe.pretrain)[0]
+    data = lambda w: tuple(windows(phase.model_copy(update={"mixture": swarm.mixture(w)})).items())  # noqa: E731
+    assert len({data(w) for w in draws.mixtures}) == 12 and draws.redrawn == {SAME: 4}
+    assert len({data(w) for w in draw_mixtures(swarm, 12, seed=1).mixtures}) == 10, "unchecked, two pairs would repeat"
 
 
 def test_every_shipped_swarm_file_opens_and_the_reuse_swarm_goes_on_from_mix_phase1s_proposal(tmp_path, monkeypatch):
