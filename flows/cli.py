@@ -305,6 +305,9 @@ def swarm(
     proxy is reported, and retried by a rerun). A log-linear and a lightgbm fit of mixture -> target
     (the target tasks' weighted main metric) are compared out of fold; the better one proposes a mixture, which
     is then trained beside the prior and the natural mixture at a larger scale over seeds (`validation`).
+    Sources listed as `frozen` keep the prior's proportions and move as one weight (Olmix's mixture reuse), and the
+    `prior` may be another swarm's `report/swarm.json` (its proposal): after one source's data changed, search it
+    alone against the rest as proposed, with fewer proxies (configs/swarms/mix_phase1_math.yaml).
     report/swarm.md, ratios.csv and metrics.csv (Olmix's format) land in the swarm's folder. `--set` applies to
     every run, e.g. `--set @configs/overlays/slurm.yaml` trains each proxy's phases as Slurm jobs,
     `--set pretrain.launcher.kind=ray` as Ray tasks."""
