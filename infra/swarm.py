@@ -10,7 +10,7 @@ A swarm file is small YAML:
     seed: 0                     # of the mixture draws (the proxies train with the recipe's seed)
     concentration: 8            # Dirichlet(concentration x prior): larger stays closer to the prior
     sparsity: 0.3               # chance a draw leaves a source out (weight 0): such proxies survive a change of it
-    prior: null                 # default: the base recipe's mixture of that phase; or a swarm's report.json: its proposal
+    prior: null                 # default: the base recipe's mixture of that phase; or a swarm's report/swarm.json: its proposal
     frozen: []                  # sources that keep the prior's proportions among them and move as one
     bounds: {math: [0.05, 0.6]} # per source, [low, high]
     targets: {smol_ppl_prose: 1, smol_ppl_code: 1, smol_ppl_math: 1}   # task -> weight of its main metric
