@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -458,3 +459,31 @@ def test_a_rerun_after_one_source_changed_trains_only_the_proxies_that_draw_on_i
     text = report.read_text()
     assert "**Changed since the last report:** the tokens of math" in text and "2 proxies that draw on them were trained" in text
     assert "2 that leave them out were reused as they were (p002, p003:" in text
+
+    # the search the log named: math alone against prose and code as the first report proposed them (Olmix's mixture
+    # reuse), 4 proxies on one free weight, in the same store (its curation is cached)
+    keys = re.search(r"`prior: (\{.*?\})` and `frozen: (\[.*?\])`", said)
+    prior, frozen = yaml.safe_load(keys.group(1)), yaml.safe_load(keys.group(2))
+    (tmp_path / "reuse").mkdir()
+    path = swarm_file(
+        tmp_path / "reuse",
+        root / "steps",
+        prior=prior,
+        frozen=frozen,
+        concurrency=2,
+        validation=None,
+        targets={"smol_ppl_code": 1.0, "smol_ppl_prose": 1.0},
+        set=[f"curate.tokenizer={{path: {tokenizer / 'tokenizer.json'}}}"],
+    )
+    done = len(built(root / "steps"))
+    report = Path(swarm_flow(str(path), str(tmp_path / "reuse" / "sw"), ["embedded.math_problems=500"]))
+    new = built(root / "steps")[done:]
+    assert new.count("pretrain_phase1") == 4 and "tokenize" not in new and "filter" not in new, "its curation cached"
+    for p in PROXIES:  # each proxy trained prose and code in the proportions proposed before
+        phase = json.loads((report.parents[1] / p / "mixtures" / "mixtures.json").read_text())["phases"][0]["sources"]
+        assert phase["prose"]["weight"] / phase["code"]["weight"] == pytest.approx(prior["prose"] / prior["code"], rel=5e-3)
+    data = json.loads(report.with_suffix(".json").read_text())
+    assert data["frozen"] == {"prose+code": pytest.approx({s: prior[s] / (prior["prose"] + prior["code"]) for s in frozen}, abs=1e-6)}
+    proposal = data["proposal"]["mixture"]
+    assert proposal["prose"] / proposal["code"] == pytest.approx(prior["prose"] / prior["code"], rel=5e-3)
+    assert "Frozen (Olmix's mixture reuse): prose+code move as one weight" in report.read_text()
