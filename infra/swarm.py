@@ -70,7 +70,7 @@ class SwarmCfg(Strict):
     prior: dict[str, float] | str | None = Field(
         None,
         description="default: the base recipe's mixture of the phase; a path (from the current directory, like run_dir) to "
-        "another swarm's report/swarm.json takes its proposal",
+        "another swarm's report/swarm.json takes its proposal (a source added since: the recipe's weight)",
     )
     frozen: list[str] = Field(
         [],
@@ -202,7 +202,7 @@ def load_swarm(path: str | Path, run_dir: str | None = None, overrides: list[str
     if missing := sorted(set(cfg.targets) - evaluated):
         known = ", ".join(sorted(evaluated))
         raise RecipeError(f"{path}: targets.{missing[0]}: not among the recipe's evaluation.checkpoint_tasks ({known})")
-    given = proposed(path, Path(cfg.prior)) if isinstance(cfg.prior, str) else cfg.prior
+    given = proposed(path, Path(cfg.prior), mixture) if isinstance(cfg.prior, str) else cfg.prior
     if unknown := sorted(set(given or {}) - set(sources)):
         raise RecipeError(f"{path}: prior.{unknown[0]}: not a source of phase {phases[cfg.phase].name} ({', '.join(sources)})")
     prior = np.array([(given or mixture).get(s, 0.0) for s in sources], dtype=float)
@@ -216,12 +216,18 @@ def load_swarm(path: str | Path, run_dir: str | None = None, overrides: list[str
     return Swarm(cfg, path, base, root, recipe, sources, prior, grouping(sources, prior, cfg.frozen))
 
 
-def proposed(path: Path, report: Path) -> dict[str, float]:
-    """The mixture another swarm's report proposed: the prior of a swarm that goes on from it."""
+def proposed(path: Path, report: Path, mixture: dict[str, float]) -> dict[str, float]:
+    """The mixture another swarm's report proposed, as the prior of a swarm that goes on from it over the phase's MIXTURE
+    (Olmix's updates): a source removed since drops out (the rest renormalize); a source added since takes the recipe's
+    weight, and the proposal the rest."""
     try:
-        return json.loads(report.read_text())[PROPOSAL]["mixture"]
+        before = json.loads(report.read_text())[PROPOSAL]["mixture"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise RecipeError(f"{path}: prior: {report}: not a swarm report with a proposal (run that swarm first): {e}") from e
+    if not (kept := {s: w for s, w in before.items() if s in mixture}):
+        raise RecipeError(f"{path}: prior: {report}: its proposal shares no source with the phase ({', '.join(mixture)})")
+    added = {s: w for s, w in mixture.items() if s not in before}
+    return {s: w / sum(kept.values()) * (1 - sum(added.values())) for s, w in kept.items()} | added
 
 
 def bounds_of(cfg: SwarmCfg, sources: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -216,6 +216,14 @@ def test_frozen_sources_move_as_one_in_the_draws_the_fits_and_the_proposal_from_
     ):
         with pytest.raises(RecipeError, match=error):
             load_swarm(swarm_file(tmp_path, frozen=frozen))
+    # Olmix's other updates: a source the last swarm searched is gone (wiki: left out, the rest renormalized) and one it
+    # did not know is added (math: the recipe's 0.1, the proposal the other 0.9); math is searched against the rest
+    last.write_text(json.dumps({"proposal": {"mixture": {"prose": 0.45, "code": 0.15, "wiki": 0.4}}}))
+    added = load_swarm(swarm_file(tmp_path, prior=str(last), frozen=["prose", "code"]))
+    assert added.prior.tolist() == [0.675, 0.225, 0.1] and added.groups.names == ["prose+code", "math"]
+    last.write_text(json.dumps({"proposal": {"mixture": {"wiki": 1.0}}}))
+    with pytest.raises(RecipeError, match=r"prior: .*swarm.json: its proposal shares no source with the phase \(prose, code, math\)"):
+        load_swarm(swarm_file(tmp_path, prior=str(last)))
     with pytest.raises(
         RecipeError, match=r"swarm.yaml: prior: .*nowhere.json: not a swarm report with a proposal \(run that swarm first\)"
     ):
