@@ -33,6 +33,8 @@ from tasks.evaluation.plots import artifact, save
 Model = Callable[[np.ndarray], np.ndarray]  # mixtures (n, sources) -> predictions (n,)
 Fitter = Callable[[np.ndarray, np.ndarray], Model]
 CANDIDATES = 20_000
+REPORT = Path("report")  # ROOT/report: swarm.md and its plots, swarm.json, ratios.csv, metrics.csv
+SUMMARY = REPORT / "swarm.json"  # what the next report compares with, and another swarm's `prior` can name
 
 
 def loglinear(w: np.ndarray, y: np.ndarray) -> Model:
@@ -176,7 +178,7 @@ def publish(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = root / "report"
+    out = root / REPORT
     out.mkdir(parents=True, exist_ok=True)
     total = sum(weights.values())
     target = weighted(weights, ev.scores)
@@ -190,7 +192,7 @@ def publish(
             f"{' : '.join(f'{x:.3f} {s}' for s, x in shares.items())}; the draws and the fits vary {len(groups.names)} weights, "
             f"not {len(ev.sources)}."
         )
-    lines += [f"Measured on the tokens {', '.join(f'{s} {fp[:12]}' for s, fp in ev.domains.items())}.", *_changed(out, ev), ""]
+    lines += [f"Measured on the tokens {', '.join(f'{s} {fp[:12]}' for s, fp in ev.domains.items())}.", *_changed(root, ev), ""]
     lines += ["## Proxies", ""]
     lines += ["| proxy | " + " | ".join(ev.sources) + " | " + " | ".join(t.removeprefix("smol_") for t in tasks) + " | target |"]
     lines += ["|---" * (2 + len(ev.sources) + len(tasks)) + "|"]
@@ -254,7 +256,7 @@ def publish(
     path = out / "swarm.md"
     path.write_text(markdown)
     write_json_atomic(
-        out / "swarm.json",
+        root / SUMMARY,
         {
             "proxies": [
                 {
@@ -328,7 +330,7 @@ def _number(r: float) -> float | None:
 
 def last_report(root: Path) -> dict:
     """The swarm's last report (ROOT/report/swarm.json), or {} before the first."""
-    last = root / "report" / "swarm.json"
+    last = root / SUMMARY
     return json.loads(last.read_text()) if last.is_file() else {}
 
 
@@ -356,9 +358,9 @@ def reuse_hint(changed: list[str], sources: list[str], last: dict) -> str:
     )
 
 
-def _changed(out: Path, ev: Evidence) -> list[str]:
+def _changed(root: Path, ev: Evidence) -> list[str]:
     """What changed in the data since the last report: its evidence (and every fit on it) was measured on other tokens."""
-    last = last_report(out.parent)
+    last = last_report(root)
     if not (changed := changed_since(last, ev.domains)):
         return []
     reads = draws_on(ev.mixtures, ev.sources, changed)
