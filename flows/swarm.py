@@ -24,7 +24,7 @@ from flows.graph import build_graph
 from flows.pipeline import STAGE_FLOWS, Overrides
 from infra.ablation import Ablation, AblationCfg, AblationRun, VariantCfg, resolve_ablation
 from infra.steps import MANIFEST, finished, part_fingerprint
-from infra.swarm import Draws, Swarm, bounds_of, draw_mixtures, load_swarm, proxy_name, rounded
+from infra.swarm import Draws, Swarm, bounds_of, carried, draw_mixtures, load_swarm, proxy_name, rounded
 from tasks.curation.mixtures import MixtureError, resolve_mixtures, windows
 from tasks.curation.pipelines import source_data
 from tasks.evaluation.compare import AblationRunDir, model_results
@@ -37,6 +37,7 @@ from tasks.evaluation.swarm import (
     choose,
     draws_on,
     fit,
+    last_proposal,
     last_report,
     propose,
     publish,
@@ -139,6 +140,28 @@ def explain(swarm: Swarm, draws: Draws, known_tokens: bool) -> list[str]:
     return lines
 
 
+def since_last_report(swarm: Swarm, draws: Draws) -> str:
+    """What changed in the data since the swarm's last report, said before the proxies train: the sources whose tokens
+    changed (the proxies that draw on them train again) or that joined the phase, and the keys of the cheaper search."""
+    last = last_report(swarm.root)
+    changed = changed_since(last, domain_fingerprints(swarm))
+    added = [s for s in swarm.sources if last.get("domains") and s not in last["domains"]]
+    said = []
+    if changed:
+        reads = int(draws_on(draws.mixtures, swarm.sources, changed).sum())
+        said.append(
+            f"the tokens of {', '.join(changed)} changed since the last report: the {reads} of {len(draws.mixtures)} proxies that "
+            "draw on them train again"
+        )
+    if added:
+        said.append(f"{', '.join(added)} joined the phase since the last report")
+    if not said:
+        return ""
+    before = last_proposal(last)
+    prior = carried(before, swarm.recipe.pretrain.phases[swarm.cfg.phase].mixture) if before else None
+    return f"{'; '.join(said)}. {reuse_hint(changed + added, swarm.sources, prior)}"
+
+
 @flow(name="swarm")
 def swarm_flow(swarm: str, run_dir: str | None = None, overrides: Overrides = None) -> str:
     """Train the proxies of the swarm file SWARM, fit mixture -> target on their scores and propose a mixture,
@@ -149,13 +172,8 @@ def swarm_flow(swarm: str, run_dir: str | None = None, overrides: Overrides = No
     sw, draws, abl = open_swarm(swarm, run_dir, available, overrides)
     for line in explain(sw, draws, known_tokens=True):
         log.info(line)
-    last = last_report(sw.root)
-    if changed := changed_since(last, domain_fingerprints(sw)):
-        reads = int(draws_on(draws.mixtures, sw.sources, changed).sum())
-        log.warning(
-            "swarm %s: the tokens of %s changed since the last report: the %d of %d proxies that draw on them train again. %s",
-            *(sw.cfg.name, ", ".join(changed), reads, len(draws.mixtures), reuse_hint(changed, sw.sources, last)),
-        )
+    if news := since_last_report(sw, draws):
+        log.warning("swarm %s: %s", sw.cfg.name, news)
     failed = run_all(abl, keep_going=True)  # a failed proxy is one point less for the fit, not a failed swarm
     proposal = analyse(sw, draws, abl, available)  # the proxies' evidence is fitted once
     path = report(sw, draws, abl, available, proposal, failed)  # readable while the validation trains

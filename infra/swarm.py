@@ -224,8 +224,17 @@ def proposed(path: Path, report: Path, mixture: dict[str, float]) -> dict[str, f
         before = json.loads(report.read_text())[PROPOSAL]["mixture"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise RecipeError(f"{path}: prior: {report}: not a swarm report with a proposal (run that swarm first): {e}") from e
-    if not (kept := {s: w for s, w in before.items() if s in mixture}):
+    if not (prior := carried(before, mixture)):
         raise RecipeError(f"{path}: prior: {report}: its proposal shares no source with the phase ({', '.join(mixture)})")
+    return prior
+
+
+def carried(before: dict[str, float], mixture: dict[str, float]) -> dict[str, float] | None:
+    """A mixture proposed BEFORE, over the phase's sources as its MIXTURE has them now (Olmix's updates): a source removed
+    since drops out (the rest renormalize); a source added since takes the recipe's weight, and the proposal the rest.
+    None when they share no source."""
+    if not (kept := {s: w for s, w in before.items() if s in mixture}):
+        return None
     added = {s: w for s, w in mixture.items() if s not in before}
     return {s: w / sum(kept.values()) * (1 - sum(added.values())) for s, w in kept.items()} | added
 

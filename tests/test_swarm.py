@@ -18,7 +18,7 @@ from flows.graph import build_graph
 from infra.ablation import resolve_ablation
 from infra.recipe import RecipeError
 from infra.steps import JOB
-from infra.swarm import draw_mixtures, grouping, load_swarm, proxy_name
+from infra.swarm import carried, draw_mixtures, grouping, load_swarm, proxy_name
 from tasks.curation.mixtures import windows
 from tasks.pretrain import mixture_phases, train_configs
 from tests.clusters import scores
@@ -170,7 +170,7 @@ def test_the_fits_rank_proxies_of_a_planted_law_and_the_proposal_beats_every_pro
 def test_frozen_sources_move_as_one_in_the_draws_the_fits_and_the_proposal_from_the_last_reports_proposal(tmp_path):
     """Olmix's mixture reuse: prose and code keep the proportions the last report proposed and move as one weight; the
     swarm searches math against them, and its proposal and report keep them too."""
-    from tasks.evaluation.swarm import Evidence, choose, fit, propose, publish
+    from tasks.evaluation.swarm import Evidence, choose, fit, propose, publish, reuse_hint
 
     last = tmp_path / "last" / "swarm.json"
     last.parent.mkdir()
@@ -221,6 +221,11 @@ def test_frozen_sources_move_as_one_in_the_draws_the_fits_and_the_proposal_from_
     last.write_text(json.dumps({"proposal": {"mixture": {"prose": 0.45, "code": 0.15, "wiki": 0.4}}}))
     added = load_swarm(swarm_file(tmp_path, prior=str(last), frozen=["prose", "code"]))
     assert added.prior.tolist() == [0.675, 0.225, 0.1] and added.groups.names == ["prose+code", "math"]
+    # ... the keys a rerun suggests when math joins the phase (or its tokens change)
+    hint = reuse_hint(
+        ["math"], added.sources, carried({"prose": 0.45, "code": 0.15, "wiki": 0.4}, {"prose": 0.8, "math": 0.1, "code": 0.1})
+    )
+    assert "a swarm file with `prior: {prose: 0.675, code: 0.225, math: 0.1}` and `frozen: [prose, code]`" in hint
     last.write_text(json.dumps({"proposal": {"mixture": {"wiki": 1.0}}}))
     with pytest.raises(RecipeError, match=r"prior: .*swarm.json: its proposal shares no source with the phase \(prose, code, math\)"):
         load_swarm(swarm_file(tmp_path, prior=str(last)))

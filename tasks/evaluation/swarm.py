@@ -334,6 +334,11 @@ def last_report(root: Path) -> dict:
     return json.loads(last.read_text()) if last.is_file() else {}
 
 
+def last_proposal(last: dict) -> dict[str, float] | None:
+    """The mixture the LAST report proposed, if any."""
+    return last.get(PROPOSAL, {}).get("mixture")
+
+
 def changed_since(last: dict, domains: dict[str, str]) -> list[str]:
     """The sources whose tokens differ from those the LAST report was measured on."""
     before = last.get("domains", {})
@@ -345,16 +350,16 @@ def draws_on(mixtures: np.ndarray, sources: list[str], some: list[str]) -> np.nd
     return (mixtures[:, [sources.index(s) for s in some]] > 0).any(axis=1)
 
 
-def reuse_hint(changed: list[str], sources: list[str], last: dict) -> str:
-    """Olmix's mixture reuse: the swarm file's two keys that search only CHANGED against the rest as LAST proposed them."""
-    rest = [s for s in sources if s not in changed]
-    if len(rest) < 2 or PROPOSAL not in last:
+def reuse_hint(searched: list[str], sources: list[str], prior: dict[str, float] | None) -> str:
+    """Olmix's mixture reuse: the swarm file's two keys that search only SEARCHED against the other sources as PRIOR (the
+    last proposal) mixes them."""
+    rest = [s for s in sources if s not in searched]
+    if len(rest) < 2 or not prior:
         return ""
-    mixture = last[PROPOSAL]["mixture"]
-    prior = ", ".join(f"{s}: {mixture[s]:g}" for s in sources if s in mixture)
     return (
-        f"To search only {', '.join(changed)} against the other sources as the last report proposed them, with fewer proxies "
-        f"(Olmix's mixture reuse): a swarm file with `prior: {{{prior}}}` and `frozen: [{', '.join(rest)}]`."
+        f"To search only {', '.join(searched)} against the other sources as the last report proposed them, with fewer proxies "
+        f"(Olmix's mixture reuse): a swarm file with `prior: {{{', '.join(f'{s}: {prior[s]:.4g}' for s in sources if s in prior)}}}` "
+        f"and `frozen: [{', '.join(rest)}]`."
     )
 
 
@@ -369,5 +374,6 @@ def _changed(root: Path, ev: Evidence) -> list[str]:
         f"**Changed since the last report:** the tokens of {', '.join(changed)} (curation made other data). "
         f"{int(reads.sum())} proxies that draw on them were trained on the new tokens; {len(kept)} that leave them out were "
         f"reused as they were ({', '.join(kept) or 'none'}: their data is unchanged, and their scores on the new held-out data "
-        "were measured again). Every coefficient fitted before for these sources is stale. " + reuse_hint(changed, ev.sources, last)
+        "were measured again). Every coefficient fitted before for these sources is stale. "
+        + reuse_hint(changed, ev.sources, last_proposal(last))
     ]
