@@ -159,7 +159,7 @@ def since_last_report(swarm: Swarm, draws: Draws) -> str:
         return ""
     before = last_proposal(last)
     prior = carried(before, swarm.recipe.pretrain.phases[swarm.cfg.phase].mixture) if before else None
-    return f"{'; '.join(said)}. {reuse_hint(changed + added, swarm.sources, prior)}"
+    return f"{'; '.join(said)}. {reuse_hint(changed + added, swarm.sources, prior)}".rstrip()
 
 
 @flow(name="swarm")
