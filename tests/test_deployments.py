@@ -373,53 +373,110 @@ def said(server: Server, run_id: str, text: str, timeout_s: float = 60) -> bool:
     return True
 
 
-def test_a_stage_cancelled_through_the_api_checkpoints_and_its_rerun_resumes_with_the_losses_of_an_uninterrupted_run(
-    server, pipeline, tmp_path
-):
-    """A user's cancel of a deployed stage (`prefect flow-run cancel`: the run goes Cancelling) while its trainer trains:
-    the worker SIGTERMs the flow run's process and kills it 30 s later; in that time the trainer must finish its step and
-    save a checkpoint. The run ends Cancelled with no trainer left, and the stage's rerun resumes from that checkpoint
-    to the losses of the same trainer run without a cancel."""
-    from infra.recipe import SFTCfg, load_recipe
+def cancelled_then_rerun(
+    server: Server, pipeline: Launched, stage: str, overrides: list[str], curve: str, steps: int, tmp_path: Path, evals: bool = True
+) -> int:
+    """A user's cancel of the deployed post-training STAGE (`prefect flow-run cancel`: the run goes Cancelling) once its
+    trainer has logged 3 points of CURVE: the worker SIGTERMs the flow run's process and kills it 30 s later; in that
+    time the trainer must finish its step and save a checkpoint. The run ends Cancelled with no trainer left, and the
+    stage's rerun resumes from that checkpoint to the CURVE of the same trainer run without a cancel (STEPS steps, a
+    point logged every 2, no periodic checkpoint). EVALS: the stage scores its model (the follower its checkpoints).
+    Returns how many resumed points were compared."""
+    from infra.recipe import load_recipe
+    from infra.steps import LAUNCH_LOG
     from postrain.run import PostJob
     from tasks.postrain import TrainedStepCfg, train
 
-    assert wait_final(server, pipeline.run_id)["state_type"] == "COMPLETED"
     run_dir = pipeline.run_dir
-    # a new SFT step (another config): STEPS steps, a loss logged every 2, no periodic checkpoint (only the cancel's)
-    steps = 100
-    longer = [o for o in SFT_QUICK if "max_steps" not in o and "logging_steps" not in o]
-    longer += [f"postrain.sft.max_steps={steps}", "postrain.sft.logging_steps=2", "postrain.sft.save_steps=1000"]
-    params = {"recipe": str(pipeline.recipe), "run_dir": str(run_dir), "overrides": longer}
-    run_id = run_deployment(server, "sft/tiny", params)
+    params = {"recipe": str(pipeline.recipe), "run_dir": str(run_dir), "overrides": overrides, "evals": evals}
+    run_id = run_deployment(server, f"{stage}/tiny", params)
     deadline = time.time() + 900
-    while logged(server, run_id, "'loss'") < 3:  # training, past its first steps
-        assert time.time() < deadline, f"the SFT stage never logged its losses: {state_history(server, run_id)}"
+    while logged(server, run_id, f"'{curve}'") < 3:  # training, past its first steps
+        assert time.time() < deadline, f"the {stage} stage never logged its {curve}: {state_history(server, run_id)}"
         time.sleep(1)
     set_state(server, run_id, "CANCELLING")
     cancelled = wait_final(server, run_id, timeout_s=300)
     assert cancelled["state_type"] == "CANCELLED", state_history(server, run_id)
     left = [command_of(p) for p in psutil.process_iter() if "postrain.run" in command_of(p) and str(run_dir) in command_of(p)]
     assert not left, f"trainers outlived the cancelled run: {left}"
-    saved = sorted(int(p.name.split("-")[1]) for p in run_dir.glob("steps/.partial/sft-*/checkpoints/checkpoint-*"))
+    saved = sorted(int(p.name.split("-")[1]) for p in run_dir.glob(f"steps/.partial/{stage}-*/checkpoints/checkpoint-*"))
     assert len(saved) == 1 and 0 < saved[0] < steps, f"one checkpoint, the cancel's, before the last step: {saved}"
-    assert said(server, run_id, "received SIGTERM: checkpoint-"), "the trainer said why it stopped"
+    # the trainer says why it stopped: in the run's log, or, said after the flow's process had ended, in the step's
+    # launch log (which the rerun passes into its own log first)
+    [partial] = [j.parent for j in run_dir.glob(f"steps/.partial/{stage}-*/job.json")]  # not the lock files beside it
+    deadline = time.time() + 60
+    while not ("received SIGTERM: checkpoint-" in (partial / LAUNCH_LOG).read_text() or logged(server, run_id, "received SIGTERM")):
+        assert time.time() < deadline, "the trainer never said why it stopped"
+        time.sleep(1)
     states = {s["type"]: s["timestamp"] for s in run_states(server, run_id)}
-    print(f"cancel: {states['CANCELLING']} -> {states['CANCELLED']}, checkpoint-{saved[0]} of {steps}")
+    print(f"{stage} cancel: {states['CANCELLING']} -> {states['CANCELLED']}, checkpoint-{saved[0]} of {steps}")
 
-    rerun = wait_final(server, run_deployment(server, "sft/tiny", params))
+    rerun = wait_final(server, run_deployment(server, f"{stage}/tiny", params))
     assert rerun["state_type"] == "COMPLETED", state_history(server, rerun["id"])
-    summary = json.loads((run_dir / "sft" / "manifest.json").read_text())["summary"]
+    summary = json.loads((run_dir / stage / "manifest.json").read_text())["summary"]
     assert summary["resumed_from"].endswith(f"checkpoint-{saved[0]}")
 
-    job = PostJob.model_validate_json((run_dir / "sft" / "job.json").read_text())
-    recipe = load_recipe(pipeline.recipe, longer)
-    cfg = TrainedStepCfg(launcher=recipe.postrain.launcher, heldout_eval=recipe.postrain.heldout_eval, seed=job.seed)
-    (reference := tmp_path / "uninterrupted").mkdir()
-    losses = dict(map(tuple, train(cfg, "sft", SFTCfg.model_validate(job.config), Path(job.model), Path(job.data), reference)["loss"]))
-    resumed = {s: loss for s, loss in map(tuple, summary["loss"]) if s >= saved[0] + 2}  # logged over 2 steps, both resumed
-    assert max(resumed) == steps and len(resumed) >= 10
-    assert all(resumed[s] == pytest.approx(losses[s], rel=1e-4) for s in resumed), {s: (resumed[s], losses[s]) for s in resumed}
+    job = PostJob.model_validate_json((run_dir / stage / "job.json").read_text())
+    postrain = load_recipe(pipeline.recipe, overrides).postrain
+    cfg = TrainedStepCfg(launcher=postrain.launcher, heldout_eval=postrain.heldout_eval, seed=job.seed)
+    (reference := tmp_path / f"uninterrupted-{stage}").mkdir()
+    expected = dict(map(tuple, train(cfg, stage, job.trainer_cfg(), Path(job.model), Path(job.data), reference)[curve]))
+    resumed = {s: v for s, v in map(tuple, summary[curve]) if s >= saved[0] + 2}  # logged over 2 steps, both resumed
+    assert max(resumed) == steps
+    assert all(resumed[s] == pytest.approx(expected[s], rel=1e-4) for s in resumed), {s: (resumed[s], expected[s]) for s in resumed}
+    return len(resumed)
+
+
+def test_a_stage_cancelled_through_the_api_checkpoints_and_its_rerun_resumes_with_the_losses_of_an_uninterrupted_run(
+    server, pipeline, tmp_path
+):
+    """SFT (a new step: another config), cancelled through the API while it trains: see `cancelled_then_rerun`."""
+    assert wait_final(server, pipeline.run_id)["state_type"] == "COMPLETED"
+    longer = [o for o in SFT_QUICK if "max_steps" not in o and "logging_steps" not in o]
+    longer += ["postrain.sft.max_steps=100", "postrain.sft.logging_steps=2", "postrain.sft.save_steps=1000"]
+    assert cancelled_then_rerun(server, pipeline, "sft", longer, "loss", 100, tmp_path) >= 10
+
+
+def right_over_wrong(cfg, inputs, out: Path):
+    """A stand-in for the preference step's function, named so: pairs of each chat's own answer over "The answer is 0."
+    for the micro SFT model, whose answers are all wrong (no real pair would survive). Built under the real step's
+    identity, so the APO stage finds its pairs built."""
+    from infra.summaries import PreferenceSummary
+    from postrain import data as chat
+    from tasks.postrain import PAIRS, TRAIN
+
+    items = chat.read_jsonl(inputs["chats"].path / TRAIN)[: cfg.preference.prompts]
+    wrong = {"role": "assistant", "content": "The answer is 0."}
+    chat.write_jsonl(out / PAIRS, [{"prompt": i["prompt"], "chosen": [i["messages"][-1]], "rejected": [wrong]} for i in items])
+    return PreferenceSummary(backend="stand-in", prompts=len(items), pairs=len(items), dropped={}, strong_accuracy=1, weak_accuracy=0)
+
+
+def test_apo_and_grpo_cancelled_through_the_api_checkpoint_and_their_reruns_resume_with_the_curves_of_uninterrupted_runs(
+    server, pipeline, tmp_path
+):
+    """The cancel above, of APO (its loss) and then of GRPO (its reward: the rollouts' RNG resumes too), each a new step
+    on the pipeline's SFT model; APO's pairs from `right_over_wrong`."""
+    import dataclasses
+
+    from flows.graph import build_graph
+    from flows.pipeline import upstream
+    from infra.steps import Run
+
+    assert wait_final(server, pipeline.run_id)["state_type"] == "COMPLETED"
+    run = Run.open(str(pipeline.recipe), str(pipeline.run_dir), SFT_QUICK)
+    try:  # the run holds the run dir until closed: a stage given the recipe meanwhile refuses to start
+        graph = build_graph(run.recipe)
+        [step] = graph.stage("preference")
+        known = upstream(run, graph, ["preference"])
+        run.build(dataclasses.replace(step, fn=right_over_wrong), {role: known[d.name] for role, d in step.deps.items()})
+    finally:
+        run.close()
+
+    apo = [*SFT_QUICK, "postrain.apo.max_steps=100", "postrain.apo.logging_steps=2", "postrain.apo.save_steps=1000"]
+    assert cancelled_then_rerun(server, pipeline, "apo", apo, "loss", 100, tmp_path, evals=False) >= 5
+    grpo = [f"postrain.grpo.{key}" for key in ("max_steps=60", "logging_steps=2", "save_steps=1000", "max_completion_length=16")]
+    grpo += ["postrain.grpo.target_length=8"]
+    assert cancelled_then_rerun(server, pipeline, "grpo", apo + grpo, "reward", 60, tmp_path, evals=False) >= 3
 
 
 def test_a_pretraining_stage_cancelled_through_the_api_checkpoints_where_it_stopped_and_its_rerun_ends_as_if_uncancelled(

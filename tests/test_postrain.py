@@ -689,49 +689,6 @@ def test_a_killed_rank_fails_the_launch_a_cancel_sigterms_the_ranks_and_each_ret
     assert all(after[s] == pytest.approx(reference[s], rel=1e-4) for s in after), {s: (after[s], reference[s]) for s in after}
 
 
-def pairs_and_prompts(root: Path) -> dict[str, Path]:
-    """APO's preference pairs (the right answer over a wrong one) and GRPO's prompts, as JSONL files."""
-    items = chat.generate(64, {"arithmetic": 1.0}, 49, 11)
-    pairs = [
-        {"prompt": i["prompt"], "chosen": [i["messages"][1]], "rejected": [{"role": "assistant", "content": "The answer is 0."}]}
-        for i in items
-    ]
-    files = {"apo": (root / "pairs.jsonl", pairs), "grpo": (root / "prompts.jsonl", items)}
-    for path, rows in files.values():
-        chat.write_jsonl(path, rows)
-    return {stage: path for stage, (path, _) in files.items()}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", ["apo", "grpo"])
-def test_a_cancelled_apo_or_grpo_launch_checkpoints_on_sigterm_and_the_retry_resumes_with_the_same_curve(stage, sft_model, tmp_path):
-    """APO and GRPO go through the same SIGTERM path as SFT: the step in progress finishes, a checkpoint is saved, and
-    the retry continues the curve of a run that was never cancelled (GRPO's rewards too: its rollouts' RNG resumes),
-    run in this process (no third launch)."""
-    from tasks.postrain import train
-
-    data = pairs_and_prompts(tmp_path)[stage]
-    cfg = launched(1)
-    curve, steps = {"apo": "loss", "grpo": "reward"}[stage], 24
-    common = {"learning_rate": 1e-3, "max_steps": steps, "batch_size": 8, "save_steps": 1000, "logging_steps": 2}
-    trainer = {
-        "apo": lambda: APOCfg(**common),
-        "grpo": lambda: GRPOCfg(**common, num_generations=4, max_completion_length=8, target_length=6, backend="transformers"),
-    }[stage]()
-    model = sft_model / "final"
-
-    uninterrupted = dict(map(tuple, in_this_process(cfg, stage, trainer, model, data, tmp_path / "uninterrupted")[curve]))
-    out = tmp_path / "cancelled"
-    said, saved = cancelled_launch(cfg, post_job(cfg, stage, trainer, model, data, out), curve)
-    assert len(saved) == 1 and 4 <= saved[0] < steps, f"one checkpoint, the cancel's: {saved}\n{said}"
-    assert "received SIGTERM: checkpoint-" in said and not (out / "final").exists(), said
-    resumed = train(cfg, stage, trainer, model, data, out)
-    assert resumed["resumed_from"].endswith(f"checkpoint-{saved[0]}")
-    after = {s: v for s, v in map(tuple, resumed[curve]) if s >= saved[0] + 2}  # logged over 2 steps, both resumed
-    assert max(after) == steps and len(after) >= 4
-    assert all(after[s] == pytest.approx(uninterrupted[s], rel=1e-4) for s in after), {s: (after[s], uninterrupted[s]) for s in after}
-
-
 def psutil_children() -> list:
     import psutil
 
