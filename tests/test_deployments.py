@@ -438,17 +438,19 @@ def test_a_stage_cancelled_through_the_api_checkpoints_and_its_rerun_resumes_wit
 
 
 def right_over_wrong(cfg, inputs, out: Path):
-    """A stand-in for the preference step's function, named so: pairs of each chat's own answer over "The answer is 0."
-    for the micro SFT model, whose answers are all wrong (no real pair would survive). Built under the real step's
-    identity, so the APO stage finds its pairs built."""
+    """A stand-in for the preference step's function, named so: the strong model's answers are each chat's own, the
+    weak one's "The answer is 0.", paired by the step's own `build_pairs`. The micro SFT model answers every prompt
+    wrong, so no real pair would survive. Built under the real step's identity, so the APO stage finds its pairs built."""
     from infra.summaries import PreferenceSummary
     from postrain import data as chat
+    from postrain.preference import build_pairs
     from tasks.postrain import PAIRS, TRAIN
 
     items = chat.read_jsonl(inputs["chats"].path / TRAIN)[: cfg.preference.prompts]
-    wrong = {"role": "assistant", "content": "The answer is 0."}
-    chat.write_jsonl(out / PAIRS, [{"prompt": i["prompt"], "chosen": [i["messages"][-1]], "rejected": [wrong]} for i in items])
-    return PreferenceSummary(backend="stand-in", prompts=len(items), pairs=len(items), dropped={}, strong_accuracy=1, weak_accuracy=0)
+    right = [i["messages"][-1]["content"] for i in items]
+    pairs, stats = build_pairs(items, right, ["The answer is 0."] * len(items), cfg.preference.dedup_threshold)
+    chat.write_jsonl(out / PAIRS, pairs)
+    return PreferenceSummary.model_validate({**stats, "backend": "stand-in"})
 
 
 def test_apo_and_grpo_cancelled_through_the_api_checkpoint_and_their_reruns_resume_with_the_curves_of_uninterrupted_runs(
