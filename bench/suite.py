@@ -8,7 +8,14 @@ idle; the idle box's own busy time over the same span is measured first and prin
 split by kind of process (trainer ranks, eval children, Prefect servers, Ray workers...): every process is sampled
 once a second and keeps its last CPU reading, so a process shorter than a second, and a process's last second, are
 missed; the table says how much of the busy time it explains.
+With `--profile RAW` (one side only) the side runs under `py-spy record --subprocesses` (20 samples a second, raw
+stacks to RAW) and each kind's samples are split into module imports (a stack inside `_find_and_load`) and the rest,
+with the packages whose imports cost the most. py-spy counts a thread busy unless it sees it wait, so an event loop's
+threads (Prefect's server and clients) sample more seconds than they use CPU: read the import share, not the seconds.
+py-spy's own CPU counts in the profiled side's busy time, which is then not comparable with an unprofiled side.
+`--summarise RAW` prints that split for a RAW already recorded.
 Usage:  .venv/bin/python bench/suite.py [--base 96210ee] [--rev HEAD] [--only base|rev] [--json FILE] [--pytest-args ARGS]
+                                        [--profile RAW] [--summarise RAW]
 (96210ee: the suite when issue 42 asked for a cut to 0.7x its CPU work.)
 """
 
@@ -110,7 +117,65 @@ def print_kinds(kinds: dict[str, dict[str, float]], cpu: float) -> None:
         print(f"  {row['cpu_s']:8.0f} s {row['cpu_s'] / counted:6.1%} {n:5d} processes {row['cpu_s'] / n:6.1f} s each  {kind}")
 
 
-def run_suite(rev: str, workers: int, extra: list[str], log: Path | None) -> dict:
+PROFILE_HZ = 20
+IMPORT_FRAME = "_find_and_load"
+OURS = ("infra/", "model/", "postrain/", "tasks/", "flows/", "tests/", "bench/", "<")
+HARNESS = {"xdist", "execnet", "_pytest", "pytest", "pluggy"}  # what imports the test modules: not what they cost
+
+
+def profiled(cmd: list[str], raw: Path) -> list[str]:
+    """CMD under py-spy, its child processes too, without pausing them (--nonblocking) to sample."""
+    spy = Path(sys.executable).parent / "py-spy"
+    if not spy.exists():
+        sys.exit(f"--profile: no {spy}; py-spy comes with the `cluster` extra (ray[default]) that `make setup` installs")
+    return [str(spy), "record", "--subprocesses", "--nonblocking", "--rate", str(PROFILE_HZ), "-f", "raw", "-o", str(raw), "--", *cmd]
+
+
+PROCESS = re.compile(r'process \d+:"(.*?)";')  # py-spy's process frames; a command line may hold ";" itself
+MODULE = re.compile(r"<module> \((.*?):\d+\)")
+
+
+def import_split(raw: Path) -> dict[str, dict]:
+    """kind -> sampled seconds, those inside module imports, and the packages imported (the outermost installed package
+    of an import stack), from py-spy's raw stacks: `process PID:"CMD";...;process PID:"CMD";frame;...;frame COUNT`."""
+    out: dict[str, dict] = {}
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        procs = PROCESS.findall(stack)
+        frames = PROCESS.sub("", stack).split(";")
+        kind = kind_of(procs[-1]) if procs and procs[-1] else "command line not read (exited first)"
+        row = out.setdefault(kind, {"sampled_s": 0.0, "import_s": 0.0, "packages": {}})
+        seconds = int(count) / PROFILE_HZ
+        row["sampled_s"] += seconds
+        if any(IMPORT_FRAME in f for f in frames):
+            row["import_s"] += seconds
+            package = imported_package(frames)
+            row["packages"][package] = row["packages"].get(package, 0.0) + seconds
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["sampled_s"]))
+
+
+def imported_package(frames: list[str]) -> str:
+    """The first module of an installed package on the stack: not ours, not the standard library, not a script."""
+    for m in (m.group(1) for f in frames if (m := MODULE.match(f))):
+        top = m.split("/")[0].removesuffix(".py")
+        if "/" in m and not m.startswith(OURS) and top not in sys.stdlib_module_names and top not in HARNESS:
+            return top
+    return "smolflow or the standard library"
+
+
+def print_imports(split: dict[str, dict]) -> None:
+    total = sum(r["sampled_s"] for r in split.values())
+    imports = sum(r["import_s"] for r in split.values())
+    print(f"  py-spy: {total:.0f} s sampled, {imports:.0f} s ({imports / total:.0%}) importing modules; by kind of process:")
+    for kind, row in split.items():
+        top = sorted(row["packages"].items(), key=lambda kv: -kv[1])[:4]
+        share = row["import_s"] / row["sampled_s"]
+        print(f"  {row['sampled_s']:8.0f} s, {share:4.0%} imports  {kind}: " + ", ".join(f"{p} {s:.0f} s" for p, s in top))
+
+
+def run_suite(rev: str, workers: int, extra: list[str], log: Path | None, raw: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="suite-") as tmp:
         tree = Path(tmp) / "tree"
         subprocess.run(["git", "clone", "-q", str(REPO), str(tree)], check=True)
@@ -118,6 +183,8 @@ def run_suite(rev: str, workers: int, extra: list[str], log: Path | None) -> dic
         (tree / ".venv").symlink_to(REPO / ".venv")
         cmd = [str(REPO / ".venv/bin/python"), "-m", "pytest", "-n", str(workers), "--dist", "loadfile",
                "--no-loadscope-reorder", "-q", "-p", "no:cacheprovider", *extra]  # fmt: skip
+        if raw:
+            cmd = profiled(cmd, raw)
         cpu0, t0 = busy_s(), time.monotonic()
         # the venv's editable install points at this checkout: the clone's own code goes first, subprocesses too
         env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -126,12 +193,16 @@ def run_suite(rev: str, workers: int, extra: list[str], log: Path | None) -> dic
         cpu, wall = busy_s() - cpu0, time.monotonic() - t0
     if log:
         log.write_text(proc.stdout + proc.stderr)
-    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    said = [line for line in proc.stdout.splitlines() if re.search(r"\d+ (passed|failed|errors?)\b", line)]
+    tail = said[-1] if said else proc.stdout.strip()[-500:] or proc.stderr[-500:]
     print(f"{rev}: {tail}\n  wall {wall:.0f} s, CPU {cpu:.0f} s ({cpu / wall:.2f} cores busy)", flush=True)
     kinds = census.by_kind()
     print_kinds(kinds, cpu)
+    imports = import_split(raw) if raw else None
+    if imports:
+        print_imports(imports)
     return {"rev": rev, "commit": subprocess.check_output(["git", "-C", str(REPO), "rev-parse", rev], text=True).strip(),
-            "wall_s": wall, "cpu_s": cpu, "result": tail, "rc": proc.returncode, "by_kind": kinds}  # fmt: skip
+            "wall_s": wall, "cpu_s": cpu, "result": tail, "rc": proc.returncode, "by_kind": kinds, "imports": imports}  # fmt: skip
 
 
 def main() -> None:
@@ -142,14 +213,22 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=(os.cpu_count() or 1) + 1, help="xdist workers, as make test")
     ap.add_argument("--json", type=Path, help="also write the figures here, and each side's pytest output beside it")
     ap.add_argument("--pytest-args", default="", help="more pytest arguments for --rev's side, e.g. '--cpu-durations 30'")
+    ap.add_argument("--profile", type=Path, metavar="RAW", help="profile the measured side with py-spy (needs --only)")
+    ap.add_argument("--summarise", type=Path, metavar="RAW", help="only print the import split of a recorded profile")
     args = ap.parse_args()
+    if args.summarise:
+        print_imports(import_split(args.summarise))
+        return
+    if args.profile and not args.only:
+        ap.error("--profile measures one side only (py-spy's CPU counts in its busy time): add --only base or --only rev")
     cpu0 = busy_s()
     time.sleep(30)
     idle = (busy_s() - cpu0) / 30
     print(f"{os.cpu_count()} cores; idle box busy {idle:.3f} cores (measured over 30 s)", flush=True)
     logs = {name: args.json.with_suffix(f".{name}.log") if args.json else None for name in ("base", "rev")}
     extra = {"base": [], "rev": args.pytest_args.split()}
-    sides = {name: run_suite(rev, args.workers, extra[name], logs[name]) for name, rev in (("base", args.base), ("rev", args.rev))
+    revs = {"base": args.base, "rev": args.rev}
+    sides = {name: run_suite(rev, args.workers, extra[name], logs[name], args.profile) for name, rev in revs.items()
              if args.only in (None, name)}  # fmt: skip
     if len(sides) == 2:
         b, r = sides["base"], sides["rev"]
