@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from infra.env import apply_offline_defaults, vllm_build, vllm_engine_args  # noqa: E402
 from infra.recipe import ModelCfg  # noqa: E402
-from model.network import build_model, model_config  # noqa: E402
+from model.network import build_model, model_config, save_pretrained  # noqa: E402
 from postrain import data as chat  # noqa: E402
 from tasks.curation import tokenizer as bpe  # noqa: E402
 
@@ -38,7 +38,7 @@ def save_model(root: Path, cfg: ModelCfg, tokenizer) -> tuple[Path, int]:
     tok = bpe.save_hf(tokenizer, root)
     special = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     model = build_model(model_config(cfg, len(tok), 1024, special_ids=special), seed=0)
-    model.save_pretrained(root)
+    save_pretrained(model, root)
     return root, sum(p.numel() for p in model.parameters())
 
 

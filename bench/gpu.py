@@ -155,18 +155,17 @@ def split(pack_dir: Path, precision: str, result: Path, steps: int = 40, profile
     import torch
     from pretrain import sync
     from torch.profiler import ProfilerActivity, profile
-    from transformers import AutoTokenizer
 
     from model.data import MixtureBatches, TokenSource, sample_order
+    from model.network import read_tokenizer
     from model.train import build_engine, setup_distributed, train_step
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     job = tiny_job(pack_dir, Path(tempfile.mkdtemp()), precision)
     cfg = job.config
     setup_distributed()
-    tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir)
-    special = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None}
-    engine, _ = build_engine(job, 1, len(tokenizer), special, None, False)
+    vocab_size, special = read_tokenizer(Path(job.tokenizer_dir))
+    engine, _ = build_engine(job, 1, vocab_size, special, None, False)
     order = sample_order(list(cfg.samples.values()), cfg.seed, cfg.index)
     sources = [TokenSource(Path(job.sources[n])) for n in cfg.samples]
     data = MixtureBatches(sources, order, cfg.seq_len, cfg.micro_batch_size, cfg.batch_size)

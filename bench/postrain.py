@@ -26,7 +26,7 @@ import trl.trainer.utils as trl_utils  # noqa: E402
 
 import postrain.common as common  # noqa: E402
 from infra.recipe import load_recipe  # noqa: E402
-from model.network import build_model, model_config  # noqa: E402
+from model.network import build_model, model_config, save_pretrained  # noqa: E402
 from postrain import data as chat  # noqa: E402
 from postrain.sft import build_trainer  # noqa: E402
 from tasks.curation import tokenizer as bpe  # noqa: E402
@@ -52,7 +52,7 @@ def main() -> None:
         root = Path(tmp)
         tok = bpe.save_hf(bpe.train_bpe(iter(texts), vocab_size=recipe.curate.tokenizer.train.vocab_size, min_frequency=1), root / "base")
         special = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-        build_model(model_config(recipe.model, len(tok), 256, special_ids=special), seed=0).save_pretrained(root / "base")
+        save_pretrained(build_model(model_config(recipe.model, len(tok), 256, special_ids=special), seed=0), root / "base")
         for i in range(2):
             for side in runs:
                 trl_utils._use_triton, trl_utils._ChunkedLogProbFunction = trl_default

@@ -61,6 +61,8 @@ from infra.summaries import Summary, read_summary
 
 MANIFEST = "manifest.json"
 FINAL = "final"  # STEP/final: the HF model a step leaves (`Step.model` labels it)
+HF_CONFIG = "config.json"  # an HF model folder's architecture (FINAL/config.json, a checkpoint's hf/config.json)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")  # an HF tokenizer
 RECIPE = "recipe.json"  # the run's frozen recipe
 STEPS = "steps"  # RUN/steps: the run's step store, a folder or a link to a shared one
 PARTIAL = ".partial"  # STORE/.partial/NAME-ID: builds in progress (RUN/.partial/NAME links to the run's own)

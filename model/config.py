@@ -6,8 +6,13 @@ transformers (~10 s per process); the trainer process reads them back from the j
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
+from infra.errors import DataError
 from infra.recipe import CheckpointCfg, ModelCfg, SpikeCfg, Strict, operational
 
 
@@ -87,3 +92,49 @@ class TrainJob(BaseModel):
     s3_endpoint: str | None = None
     s3_region: str | None = None
     stop_after_steps: int | None = None  # testing and drills: exit after this many steps of this run
+
+
+# what this implementation computes: an HF config asking for anything else is refused, not silently ignored
+FIXED = {"attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "hidden_act": "silu", "use_sliding_window": False}
+
+
+@dataclass
+class Arch:
+    """The architecture, with the names and meaning of transformers' `SmolLM3Config` (config.json's keys): what
+    `model.network` builds, and what the planner counts (without torch)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    rope_parameters: dict[str, Any]
+    no_rope_layer_interval: int = 4
+    no_rope_layers: list[int] = field(default_factory=list)  # 1: the layer applies RoPE; 0: NoPE
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if not self.no_rope_layers:  # transformers' rule: every interval-th layer has no RoPE
+            self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(self.num_hidden_layers)]
+
+    def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
+        """config.json as transformers writes it for SmolLM3 (keys sorted; generation reads `use_cache`)."""
+        layers = {"layer_types": ["full_attention"] * self.num_hidden_layers, "sliding_window": None}
+        kind = {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "use_cache": True}
+        return dict(sorted((asdict(self) | FIXED | layers | kind | {"dtype": dtype}).items()))
+
+    @classmethod
+    def from_hf(cls, data: dict[str, Any], source: Path | str) -> Arch:
+        for key, value in FIXED.items():
+            if data.get(key, value) != value:
+                raise DataError(f"{source}: {key} = {data[key]!r}; smolflow's SmolLM3 implements {key} = {value!r} only")
+        if data.get("model_type") != "smollm3":
+            raise DataError(f"{source}: model_type = {data.get('model_type')!r}, not 'smollm3'")
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})

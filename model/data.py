@@ -6,8 +6,8 @@ therefore a pure function of `j`, so a resumed run sees exactly the batches the 
 would have, with no reader state to save beyond the step.
 
 Windows are packed: one window may span several documents. Position ids restart at every document
-start and that token's label is -100, so with `attention_mask=None` transformers builds a
-per-document causal mask and no token attends to, or is predicted from, another document.
+start and that token's label is -100, so the network builds a per-document causal mask from them
+(`model.network.document_mask`) and no token attends to, or is predicted from, another document.
 """
 
 from __future__ import annotations
@@ -105,9 +105,3 @@ class MixtureBatches:
         labels = input_ids.clone()
         labels[position_ids == 0] = IGNORE  # a document's first token is not predicted from the one before
         return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
-
-
-def flatten(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The micro-batch as one row. flash-attention-2 reads document boundaries from position ids
-    only for a flattened batch of one; every row starts at position 0, so rows stay apart too."""
-    return {key: value.reshape(1, -1) for key, value in batch.items()}

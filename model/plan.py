@@ -12,24 +12,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from infra.recipe import ModelCfg, PostrainCfg, PretrainCfg
+from model.config import Arch
 
 GiB = 2**30
 
 
-class Shape(Protocol):
-    """What the arithmetic reads of an architecture: transformers' SmolLM3Config, or the recipe's ModelCfg with its
-    vocabulary filled in (so planning never imports transformers, ~10 s of CPU here)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    tie_word_embeddings: bool
+Shape = Arch | ModelCfg  # what the arithmetic reads: the network's architecture, or the recipe's with its vocabulary filled in
 
 
 def count_params(shape: Shape) -> int:

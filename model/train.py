@@ -12,11 +12,6 @@ recipe: `TrainConfig` is exactly what the pipeline's step for this phase hashes.
 
 from __future__ import annotations
 
-from infra.env import skip_unused_imports
-
-if __name__ == "__main__":  # a rank: before model.network imports transformers
-    skip_unused_imports()
-
 import json
 import math
 import os
@@ -42,8 +37,18 @@ from infra.storage import Mirror
 from infra.summaries import PhaseSummary
 from model.checkpoint import MARKER, CheckpointStore, MirrorBehind, tag_for, verify, weights_only_engine
 from model.config import TrainConfig, TrainJob
-from model.data import IGNORE, MixtureBatches, TokenSource, flatten, sample_order
-from model.network import build_model, for_training, long_context_config, model_config, param_groups, with_yarn
+from model.data import IGNORE, MixtureBatches, TokenSource, sample_order
+from model.network import (
+    build_model,
+    load_config,
+    load_model,
+    long_context_config,
+    model_config,
+    param_groups,
+    read_tokenizer,
+    save_pretrained,
+    with_yarn,
+)
 from model.plan import flops_per_token, measure_peak_flops
 
 # --- process and engine -------------------------------------------------------------------------
@@ -114,15 +119,12 @@ def ds_config(cfg: TrainConfig, world: int) -> dict[str, Any]:
 def initial_model(job: TrainJob, vocab_size: int, special_ids: dict[str, int], init_tag: str | None):
     """Fresh weights for phase 1; the previous phase's config for later main phases (its DeepSpeed
     checkpoint is loaded after initialize); the previous weights with raised RoPE theta for long context."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     cfg = job.config
     if job.init_from is None:
         return build_model(model_config(cfg.model, vocab_size, cfg.seq_len, special_ids=special_ids), cfg.seed)
     if cfg.long_context:
-        config = long_context_config(AutoConfig.from_pretrained(job.init_from), cfg.seq_len, cfg.rope_theta)
-        return for_training(AutoModelForCausalLM.from_pretrained(job.init_from, config=config, dtype=torch.float32))
-    return build_model(AutoConfig.from_pretrained(Path(job.init_from) / init_tag / "hf"), cfg.seed)
+        return load_model(job.init_from, long_context_config(load_config(job.init_from), cfg.seq_len, cfg.rope_theta))
+    return build_model(load_config(Path(job.init_from) / init_tag / "hf"), cfg.seed)
 
 
 def build_engine(job: TrainJob, world: int, vocab_size: int, special_ids: dict[str, int], init_tag: str | None, universal: bool):
@@ -216,11 +218,10 @@ def train_step(engine, batches: list[dict[str, torch.Tensor]], cfg: TrainConfig,
     Returns (mean loss, dropped, gradient norm before clipping; NaN when dropped)."""
     import torch.distributed as dist
 
-    flash = engine.module.config._attn_implementation == "flash_attention_2"
     bf16 = cfg.precision == "bf16" and not torch.cuda.is_available()
     losses, dropped = [], False
     for batch in batches:
-        batch = {key: value.to(engine.device) for key, value in (flatten(batch) if flash else batch).items()}
+        batch = {key: value.to(engine.device) for key, value in batch.items()}
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         loss, ce = lm_loss(logits, batch["labels"], cfg.z_loss)
@@ -311,8 +312,6 @@ class Window:
 
 
 def train(job: TrainJob) -> PhaseSummary:
-    from transformers import AutoTokenizer
-
     die_with_parent()
     watch_owner()
     cfg = job.config
@@ -320,9 +319,8 @@ def train(job: TrainJob) -> PhaseSummary:
     rank, world = setup_distributed()
     say = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
     store, init_tag, latest, load_from, universal = restore_point(job, rank, world)
-    tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir)
-    special = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None}
-    engine, optimizer = build_engine(job, world, len(tokenizer), special, init_tag, universal)
+    vocab_size, special = read_tokenizer(Path(job.tokenizer_dir))
+    engine, optimizer = build_engine(job, world, vocab_size, special, init_tag, universal)
     sources = [TokenSource(Path(job.sources[n])) for n in cfg.samples]
     order = sample_order(list(cfg.samples.values()), cfg.seed, cfg.index)
     data = MixtureBatches(sources, order, cfg.seq_len, cfg.micro_batch_size, cfg.batch_size)
@@ -389,9 +387,8 @@ def train(job: TrainJob) -> PhaseSummary:
             or step == cfg.schedule.steps
         ):
             begun = time.time()
-            save(
-                engine, store, step, guard, {"phase": cfg.phase, "tokens": (cfg.schedule.offset + step) * tokens_per_step}, rank, tokenizer
-            )
+            position = {"phase": cfg.phase, "tokens": (cfg.schedule.offset + step) * tokens_per_step}
+            save(engine, store, step, guard, position, rank, Path(job.tokenizer_dir))
             last_save = time.time()
             saves.append(last_save - begun)
         if stopping and step < cfg.schedule.steps:
@@ -400,7 +397,7 @@ def train(job: TrainJob) -> PhaseSummary:
                 store.close()
                 (Path(job.out_dir) / PREEMPTED_MARK).write_text(f"{tag_for(step)}: {preempted.why}\n")
             sys.exit(PREEMPTED)
-    return finish(job, engine, store, tokenizer, tracker, rank, step, guard, saves, dropped_steps)
+    return finish(job, engine, store, tracker, rank, step, guard, saves, dropped_steps)
 
 
 def restore_point(job: TrainJob, rank: int, world: int):
@@ -439,7 +436,7 @@ def load(engine, where: tuple[Path, str], guard: SpikeGuard, optimizer_only: boo
     return client["step"]
 
 
-def finish(job: TrainJob, engine, store, tokenizer, tracker, rank, step, guard, saves, dropped_steps) -> PhaseSummary:
+def finish(job: TrainJob, engine, store, tracker, rank, step, guard, saves, dropped_steps) -> PhaseSummary:
     import torch.distributed as dist
 
     cfg = job.config
@@ -456,7 +453,7 @@ def finish(job: TrainJob, engine, store, tokenizer, tracker, rank, step, guard, 
         checkpoint_seconds=round(sum(saves) / len(saves), 3) if saves else None,
     )
     if rank == 0 and done:
-        export_final(engine, tokenizer, Path(job.out_dir) / FINAL, cfg.yarn_factor)
+        export_final(engine, Path(job.tokenizer_dir), Path(job.out_dir) / FINAL, cfg.yarn_factor)
         (Path(job.out_dir) / PHASE_SUMMARY).write_text(summary.model_dump_json(indent=2))
     tracker.finish()
     dist.barrier()
@@ -513,7 +510,7 @@ def broadcast(value):
     return holder[0]
 
 
-def save(engine, store: CheckpointStore, step: int, guard: SpikeGuard, position: dict[str, Any], rank: int, tokenizer) -> None:
+def save(engine, store: CheckpointStore, step: int, guard: SpikeGuard, position: dict[str, Any], rank: int, tokenizer_dir: Path) -> None:
     """Save every rank's shards plus an HF export; `position` (phase, tokens seen) goes into the marker for eval plots."""
     import torch.distributed as dist
 
@@ -533,20 +530,15 @@ def save(engine, store: CheckpointStore, step: int, guard: SpikeGuard, position:
     dist.barrier()
     if rank == 0:
         hf = store.tmp_dir() / tag / "hf"
-        engine.module.save_pretrained(hf, safe_serialization=True)
-        tokenizer.save_pretrained(hf)
+        save_pretrained(engine.module, hf, Path(tokenizer_dir))
         store.commit(tag, step, {"world_size": dist.get_world_size(), **position})
     dist.barrier()
 
 
-def export_final(engine, tokenizer, out: Path, yarn_factor: float | None) -> None:
+def export_final(engine, tokenizer_dir: Path, out: Path, yarn_factor: float | None) -> None:
     """The phase's output: a plain HF checkpoint (safetensors + config + tokenizer)."""
     model = engine.module
-    model.config.use_cache = True
-    if yarn_factor:
-        model.config = with_yarn(model.config, yarn_factor)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    save_pretrained(model, out, tokenizer_dir, with_yarn(model.config, yarn_factor) if yarn_factor else None)
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from infra.errors import SmolflowError
-from infra.steps import CARD, FINAL, MANIFEST, TRL_ARGS, StepOutput, folder_step_id, identity, read_manifest, version
+from infra.steps import CARD, FINAL, HF_CONFIG, MANIFEST, TRL_ARGS, StepOutput, folder_step_id, identity, read_manifest, version
 from infra.storage import verified_files
 from infra.summaries import ChatDataSummary, PhaseSummary, Summary, TrainedSummary, read_summary
 from postrain.data import sign_slips_note
@@ -53,7 +53,7 @@ def _size(n: int) -> str:
 
 
 def _architecture(folder: Path) -> list[str]:
-    c = json.loads((folder / "config.json").read_text())
+    c = json.loads((folder / HF_CONFIG).read_text())
     nope = [i for i, use in enumerate(c.get("no_rope_layers") or []) if not use]
     rows = [
         ("architecture", f"{c.get('architectures', ['?'])[0]} (`model_type: {c.get('model_type')}`)"),
@@ -208,7 +208,7 @@ def publish_card(run_dir: Path, name: str, steps: Iterable[str]) -> tuple[Path, 
         raise SmolflowError(f"{name!r} is not a step of the run at {run_dir}; its steps: {', '.join(steps)}")
     step = run_dir / name
     manifest = read_manifest(step)
-    if manifest is None or not (step / FINAL / "config.json").is_file():
+    if manifest is None or not (step / FINAL / HF_CONFIG).is_file():
         found = sorted(p.parent.parent.name for p in run_dir.glob(f"*/{FINAL}/config.json") if read_manifest(p.parent.parent))
         raise SmolflowError(f"{step}: no finished model folder (final/ of a finished step); finished here: {', '.join(found) or 'none'}")
     home = version(run_dir, name, manifest["step_id"])

@@ -244,7 +244,7 @@ def shared_root(tmp_path_factory) -> Path:
 def build_vllm_sft(cfg: Strict, inputs: NoInputs, out: Path) -> Summary:
     """A tiny model that vLLM can serve, briefly fine-tuned (answers that are not empty), with its early copy as the weak model."""
     from infra.recipe import ModelCfg, SFTCfg
-    from model.network import build_model, model_config
+    from model.network import build_model, model_config, save_pretrained
     from postrain import data as chat
     from postrain.sft import run_sft
     from tasks.curation import tokenizer as bpe
@@ -254,7 +254,7 @@ def build_vllm_sft(cfg: Strict, inputs: NoInputs, out: Path) -> Summary:
     texts = [m["content"] for item in chat.generate(2000, {"arithmetic": 0.5, "word_problem": 0.5}, 49, 0) for m in item["messages"]]
     tok = bpe.save_hf(bpe.train_bpe(iter(texts * 3), vocab_size=400, min_frequency=2), out / "base")
     special = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    build_model(model_config(arch, len(tok), 256, special_ids=special), seed=0).save_pretrained(out / "base")
+    save_pretrained(build_model(model_config(arch, len(tok), 256, special_ids=special), seed=0), out / "base")
     sft = SFTCfg(learning_rate=3e-3, max_steps=240, batch_size=16, save_steps=240, logging_steps=40, weak_checkpoint_step=20, max_length=96)
     # sums of numbers up to 9: learnt well enough in 240 steps that some answers are right
     run_sft(str(out / "base"), chat.generate(2000, {"arithmetic": 1.0}, 9, 3), sft, out / "sft", seed=0)

@@ -56,16 +56,14 @@ def test_generative_tasks_score_the_answers_sign_and_let_a_worked_answer_finish(
 
 def save_micro_model(out: Path, seed: int) -> Path:
     """A random 2-layer SmolLM3 with a BPE trained on the eval questions: tiny, but a real HF folder."""
-    from model.network import build_model, model_config
+    from model.network import build_model, model_config, save_pretrained
     from tasks.curation.tokenizer import save_hf, train_bpe
 
     texts = [json.loads(line)["question"] for line in (REPO / "configs" / "evals" / "arithmetic.jsonl").read_text().splitlines()]
     tokenizer = save_hf(train_bpe(iter(texts * 3), vocab_size=400, min_frequency=2), out)
     recipe = parse_recipe(micro_recipe(), "micro")
     config = model_config(recipe.model, len(tokenizer), 128, special_ids={"eos_token_id": tokenizer.eos_token_id})
-    model = build_model(config, seed)
-    model.config.use_cache = True
-    model.save_pretrained(out)
+    save_pretrained(build_model(config, seed), out)
     return out
 
 

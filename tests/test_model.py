@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from infra.errors import DataError
 from infra.recipe import ModelCfg, load_recipe, parse_recipe
 from model.checkpoint import MARKER, CheckpointStore, is_complete
 from model.config import Schedule
 from model.data import IGNORE, MixtureBatches, TokenSource, sample_order
-from model.network import build_model, long_context_config, model_config, with_yarn
+from model.network import Arch, build_model, load_model, long_context_config, model_config, save_pretrained, with_yarn
 from model.plan import count_params, gpus_needed, plan
 from model.train import _LMLoss, lm_loss
 from tasks.pretrain import train_configs
@@ -22,15 +23,39 @@ from tests.helpers import REPO, micro_recipe
 TINY = ModelCfg(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
 
-def test_a_model_built_while_another_thread_loads_one_is_tied():
-    """In a suite run a model came out untied (186,432 parameters for 167,232): another thread was loading one."""
-    from transformers.initialization import no_tie_weights
+def test_the_network_is_transformers_smollm3_bit_for_bit_and_saves_a_checkpoint_transformers_loads(tmp_path):
+    """Same seed, same weights; same logits and gradients on packed and plain rows; save_pretrained's folder loads in
+    transformers as the same model and config, and back in load_model; a config it cannot compute is refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
 
-    config = model_config(TINY, vocab_size=300, max_positions=128)
-    with no_tie_weights():  # what `from_pretrained` holds, for every thread, while it loads
-        model = build_model(config, seed=0)
-    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    assert count_params(config) == sum(p.numel() for p in model.parameters())
+    for tie, pad in ((True, None), (False, 3)):
+        arch = TINY.model_copy(update={"tie_word_embeddings": tie})
+        config = model_config(arch, 300, 128, special_ids={"eos_token_id": 2, "pad_token_id": pad})
+        ours = build_model(config, seed=5)
+        torch.manual_seed(5)
+        theirs = SmolLM3ForCausalLM(SmolLM3Config(**config.to_hf() | {"use_cache": False}))  # with a cache it packs nothing
+        assert ours.state_dict().keys() == theirs.state_dict().keys()
+        assert all(torch.equal(ours.state_dict()[k], v) for k, v in theirs.state_dict().items())
+        ids = torch.randint(0, 300, (3, 40))
+        for positions in (torch.cat([torch.arange(15), torch.arange(25)]).repeat(3, 1), None):
+            a, b = ours(input_ids=ids, position_ids=positions).logits, theirs(input_ids=ids, position_ids=positions).logits
+            assert torch.equal(a, b)
+            ours.zero_grad(), theirs.zero_grad()
+            a.square().mean().backward(), b.square().mean().backward()
+            grads = dict(theirs.named_parameters())
+            assert all(torch.equal(q.grad, grads[n].grad) for n, q in ours.named_parameters())
+        save_pretrained(ours, tmp_path / str(tie), config=with_yarn(config, 2.0))
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / str(tie))
+        assert all(torch.equal(ours.state_dict()[k], v) for k, v in loaded.state_dict().items())
+        expected = SmolLM3Config(**with_yarn(config, 2.0).to_hf()).to_dict()
+        assert AutoConfig.from_pretrained(tmp_path / str(tie)).to_dict() | {"_name_or_path": ""} == expected
+        assert loaded.generation_config.use_cache and loaded.generation_config.eos_token_id == 2
+        again = load_model(tmp_path / str(tie))
+        assert (again.lm_head.weight is again.model.embed_tokens.weight) == tie
+        assert all(torch.equal(ours.state_dict()[k], v) for k, v in again.state_dict().items())
+    data = json.loads((tmp_path / "True" / "config.json").read_text()) | {"hidden_act": "gelu"}
+    with pytest.raises(DataError, match=r"config.json: hidden_act = 'gelu'"):
+        Arch.from_hf(data, tmp_path / "True" / "config.json")
 
 
 def write_source(folder: Path, docs: list[list[int]]) -> Path:
@@ -44,9 +69,9 @@ def write_source(folder: Path, docs: list[list[int]]) -> Path:
 def test_architecture_is_smollm3_with_nope_layers():
     config = model_config(TINY, vocab_size=300, max_positions=128)
     model = build_model(config, seed=0)
-    assert config.model_type == "smollm3" and config.no_rope_layers == [1, 1, 1, 0]
+    assert config.to_hf()["model_type"] == "smollm3" and config.no_rope_layers == [1, 1, 1, 0]
     assert count_params(config) == sum(p.numel() for p in model.parameters())
-    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     assert torch.equal(build_model(config, 0).model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
 
 
@@ -70,27 +95,11 @@ def test_packed_documents_do_not_see_each_other(tmp_path):
     others[doc1] = False
     assert torch.allclose(outs[0][others], outs[1][others], atol=1e-5)
     assert not torch.allclose(outs[0][doc1], outs[1][doc1], atol=1e-3)
-    # the same sequence with an all-ones mask attends across documents: the reason attention_mask stays None
+    # the same sequence without its position ids attends across documents: the mask comes from them
     batch = MixtureBatches.collate([TokenSource(tmp_path / "v1").window(0, 42)])
     with torch.no_grad():
-        crossed = model(input_ids=batch["input_ids"], attention_mask=torch.ones(1, 42, dtype=torch.long)).logits[0]
+        crossed = model(input_ids=batch["input_ids"]).logits[0]
     assert not torch.allclose(crossed[others], outs[1][others], atol=1e-3)
-
-
-def test_flattened_micro_batch_keeps_rows_apart(tmp_path):
-    """The flash-attention-2 layout (one row, positions restarting) gives the same logits as the batch."""
-    from model.data import flatten
-
-    rng = np.random.default_rng(1)
-    source = TokenSource(write_source(tmp_path / "s", [list(rng.integers(0, 300, n)) for n in (20, 35, 9, 30, 26)]))
-    batch = MixtureBatches.collate([source.window(i, 40) for i in range(3)])
-    flat = flatten(batch)
-    assert flat["input_ids"].shape == (1, 120) and flat["position_ids"][0, 40] == 0
-    model = build_model(model_config(TINY, 300, 128), seed=0).eval()
-    with torch.no_grad():
-        rows = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        joined = model(input_ids=flat["input_ids"], position_ids=flat["position_ids"]).logits
-    assert torch.allclose(rows.reshape(1, 120, -1), joined, atol=1e-5)
 
 
 def test_batches_are_a_pure_function_of_the_step_and_follow_the_mixture(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 from infra.recipe import APOCfg, GRPOCfg, ModelCfg, SFTCfg
 from infra.summaries import ChatDataSummary, HeldoutEval, TrainedSummary
-from model.network import build_model, model_config
+from model.network import build_model, model_config, save_pretrained
 from postrain import data as chat
 from postrain.generation import TransformersBackend
 from postrain.preference import answers, build_pairs
@@ -28,7 +28,7 @@ def base(tmp_path_factory) -> Path:
     texts = [m["content"] for item in chat.generate(2000, chat_families(), 49, 0) for m in item["messages"]]
     tok = bpe.save_hf(bpe.train_bpe(iter(texts * 3), vocab_size=400, min_frequency=2), root)
     special = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    build_model(model_config(TINY, len(tok), 256, special_ids=special), seed=0).save_pretrained(root)
+    save_pretrained(build_model(model_config(TINY, len(tok), 256, special_ids=special), seed=0), root)
     return root
 
 

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from infra.steps import TOKENIZER_FILES
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -95,6 +97,6 @@ def copy_existing(tokenizer_json: str, out: Path) -> None:
     """Use an existing tokenizer: its tokenizer.json and the config files beside it."""
     src = Path(tokenizer_json)
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+    for name in TOKENIZER_FILES:
         if (src.parent / name).exists():
             shutil.copy2(src.parent / name, out / name)

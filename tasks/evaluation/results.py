@@ -30,7 +30,7 @@ from typing import Any
 from infra.errors import DiskFull, disk_full
 from infra.locks import acquire
 from infra.recipe import EvalCfg, S3Cfg
-from infra.steps import CARD, CHECKPOINTS, FINAL, MANIFEST, Step, folder_step_id, identity, read_manifest, step_id
+from infra.steps import CARD, CHECKPOINTS, FINAL, HF_CONFIG, MANIFEST, Step, folder_step_id, identity, read_manifest, step_id
 from infra.storage import filesystem, fingerprint_listing, known_digest, with_retries, write_json_atomic
 from model.checkpoint import MARKER, is_complete
 
@@ -84,7 +84,6 @@ class ModelRef:
         }
 
 
-CONFIG = "config.json"
 UNSCORED_CONFIG = ("use_cache",)  # config keys no score depends on (a checkpoint's hf/ and a final export differ in it)
 
 
@@ -107,10 +106,10 @@ def scoring_key(folder: Path) -> str:
     """What a local model folder's scores depend on: every file but the model card, and the config less the keys
     no score reads. A phase's final model and its last checkpoint share it: the scores of one are the other's."""
     listing = _listing(folder)
-    files = {rel: md5 for rel, md5 in listing.items() if rel not in (CARD, CONFIG)}
-    if CONFIG in listing:
-        config = {k: v for k, v in json.loads((folder / CONFIG).read_text()).items() if k not in UNSCORED_CONFIG}
-        files[CONFIG] = hashlib.md5(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    files = {rel: md5 for rel, md5 in listing.items() if rel not in (CARD, HF_CONFIG)}
+    if HF_CONFIG in listing:
+        config = {k: v for k, v in json.loads((folder / HF_CONFIG).read_text()).items() if k not in UNSCORED_CONFIG}
+        files[HF_CONFIG] = hashlib.md5(json.dumps(config, sort_keys=True).encode()).hexdigest()
     return fingerprint_listing(files)
 
 

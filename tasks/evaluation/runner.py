@@ -21,6 +21,7 @@ from infra.env import cores, thread_count
 from infra.errors import Stopped
 from infra.procs import STOPPING
 from infra.recipe import EvalCfg, S3Cfg
+from infra.steps import HF_CONFIG
 from infra.storage import Mirror, StorageError, download_folder
 from model.checkpoint import mark_evaluated
 from tasks.evaluation.harness import ABANDONED, EvalFailed, EvalJob, keep_worker, kept_worker, task_data, tasks_without_data
@@ -243,7 +244,7 @@ class Evaluator:
         if "://" not in model.path:
             return model.path
         target = self.work_dir / "models" / model.fingerprint
-        if not (target / "config.json").is_file():
+        if not (target / HF_CONFIG).is_file():
             staging = target.with_name(f".{target.name}")
             shutil.rmtree(staging, ignore_errors=True)
             download_folder(model.path, staging, self.s3)
