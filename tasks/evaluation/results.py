@@ -84,7 +84,7 @@ class ModelRef:
         }
 
 
-UNSCORED_CONFIG = ("use_cache",)  # config keys no score depends on (a checkpoint's hf/ and a final export differ in it)
+UNSCORED_CONFIG = ("use_cache",)  # config keys no score depends on (older code saved checkpoints' hf/ without the cache)
 
 
 def _listing(folder: Path) -> dict[str, str]:
