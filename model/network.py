@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infra.errors import DataError
 from infra.recipe import ModelCfg
 from infra.steps import HF_CONFIG, TOKENIZER_FILES
 from model.config import Arch
@@ -169,6 +170,8 @@ class SmolLM3(nn.Module):
 
     def __init__(self, config: Arch):
         super().__init__()
+        if config.rope_parameters.get("rope_type", "default") != "default":  # YaRN is for inference engines, in the final config
+            raise DataError(f"rope_type {config.rope_parameters['rope_type']!r}: the network trains with the default RoPE only")
         self.config = config
         self.model = Body(config)
         init_weights(self.model, config.initializer_range)  # transformers initialises the body before building the head

@@ -50,12 +50,14 @@ def test_the_network_is_transformers_smollm3_bit_for_bit_and_saves_a_checkpoint_
         expected = SmolLM3Config(**with_yarn(config, 2.0).to_hf()).to_dict()
         assert AutoConfig.from_pretrained(tmp_path / str(tie)).to_dict() | {"_name_or_path": ""} == expected
         assert loaded.generation_config.use_cache and loaded.generation_config.eos_token_id == 2
-        again = load_model(tmp_path / str(tie))
+        again = load_model(tmp_path / str(tie), config)  # its own config asks for YaRN, below
         assert (again.lm_head.weight is again.model.embed_tokens.weight) == tie
         assert all(torch.equal(ours.state_dict()[k], v) for k, v in again.state_dict().items())
     data = json.loads((tmp_path / "True" / "config.json").read_text()) | {"hidden_act": "gelu"}
     with pytest.raises(DataError, match=r"config.json: hidden_act = 'gelu'"):
         Arch.from_hf(data, tmp_path / "True" / "config.json")
+    with pytest.raises(DataError, match="rope_type 'yarn'"):  # what it saved for inference engines, it does not train
+        load_model(tmp_path / "True")
 
 
 def write_source(folder: Path, docs: list[list[int]]) -> Path:
