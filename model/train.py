@@ -530,7 +530,7 @@ def save(engine, store: CheckpointStore, step: int, guard: SpikeGuard, position:
     dist.barrier()
     if rank == 0:
         hf = store.tmp_dir() / tag / "hf"
-        save_pretrained(engine.module, hf, Path(tokenizer_dir))
+        save_pretrained(engine.module, hf, tokenizer_dir)
         store.commit(tag, step, {"world_size": dist.get_world_size(), **position})
     dist.barrier()
 

@@ -209,7 +209,7 @@ def publish_card(run_dir: Path, name: str, steps: Iterable[str]) -> tuple[Path, 
     step = run_dir / name
     manifest = read_manifest(step)
     if manifest is None or not (step / FINAL / HF_CONFIG).is_file():
-        found = sorted(p.parent.parent.name for p in run_dir.glob(f"*/{FINAL}/config.json") if read_manifest(p.parent.parent))
+        found = sorted(p.parent.parent.name for p in run_dir.glob(f"*/{FINAL}/{HF_CONFIG}") if read_manifest(p.parent.parent))
         raise SmolflowError(f"{step}: no finished model folder (final/ of a finished step); finished here: {', '.join(found) or 'none'}")
     home = version(run_dir, name, manifest["step_id"])
     if step.resolve() != home.resolve():
