@@ -36,14 +36,37 @@ def opened(recipe: str | None, run_dir: str | None, overrides: list[str] | None)
     """The run and its graph for a flow's body; `owner` makes a relaunch of this flow run read the recipe it froze.
     Given a recipe, the run holds its run dir's recipe lock till the body ends: a stage started meanwhile with a
     recipe of its own is refused instead of re-freezing the recipe this flow's later stages read."""
-    from prefect.runtime import flow_run
-
     stop_on_signals()  # the threads beside this one learn of a SIGTERM too (infra/procs.py STOPPING)
-    run = Run.open(recipe, run_dir, overrides or [], owner=flow_run.root_flow_run_id)
+    run = Run.open(recipe, run_dir, overrides or [], owner=root_flow_run())
     try:
         yield run, build_graph(run.recipe)
     finally:
         run.close()
+
+
+_ROOTS: dict[str, str] = {}  # flow run id -> the id at the top of its chain of parents, which never changes
+
+
+def root_flow_run() -> str | None:
+    """The id of the flow run at the top of this one's chain of parent flows (a stage's pipeline's, a proxy's swarm's),
+    None outside a flow. Each parent is read from the API once a process, with one client: `prefect.runtime`'s
+    `root_flow_run_id` read the whole chain for every stage flow, two reads a level, each with a client of its own
+    (a TLS context each, 21 ms), ~30 CPU s over the test suite."""
+    from prefect.client.orchestration import get_client
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return None
+    run_id, parent_task, chain = str(ctx.flow_run.id), ctx.flow_run.parent_task_run_id, []
+    if run_id not in _ROOTS and parent_task is not None:
+        with get_client(sync_client=True) as client:
+            while run_id not in _ROOTS and parent_task is not None:
+                chain.append(run_id)
+                run_id = str(client.read_task_run(parent_task).flow_run_id)
+                parent_task = None if run_id in _ROOTS else client.read_flow_run(run_id).parent_task_run_id
+    root = _ROOTS.get(run_id, run_id)
+    _ROOTS.update(dict.fromkeys([*chain, root], root))
+    return root
 
 
 def upstream_steps(graph: Graph, stages: list[str]) -> dict[str, Step]:

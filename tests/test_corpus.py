@@ -74,3 +74,12 @@ def test_shipped_eval_sets_are_reproducible():
     for kind in ("arithmetic", "word_problems"):
         shipped = [json.loads(line) for line in (REPO / "configs" / "evals" / f"{kind}.jsonl").read_text().splitlines()]
         assert shipped == corpus.eval_items(kind, 300, seed=2026, max_value=99)
+
+
+def test_the_stdlib_is_walked_once_a_process(tmp_path, monkeypatch):
+    """Every identity of the corpus step lists the stdlib (27 ms): the listing is kept, not walked again."""
+    walks, walk = [], os.walk
+    monkeypatch.setattr(os, "walk", lambda root: walks.append(root) or walk(root))
+    (tmp_path / "a.py").write_text("x = 1\n")
+    assert corpus.stdlib_files(tmp_path, None) == corpus.stdlib_files(tmp_path, None) == (tmp_path / "a.py",)
+    assert walks == [tmp_path]

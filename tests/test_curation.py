@@ -9,7 +9,6 @@ import shutil
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
 from infra.recipe import parse_recipe
 from infra.steps import fingerprint_tree
@@ -154,6 +153,8 @@ def test_tokenized_data_reads_back_to_the_same_text(planted, tmp_path):
     summary = pipelines.tokenize(
         ["web"], recipe.executor, recipe.seed, c.heldout_fraction, decont, tmp_path / "tok" / "tokenizer.json", tmp_path / "tokenized"
     )
+    from transformers import AutoTokenizer  # here, not at the top: every xdist worker imports every test module (3.4 CPU s)
+
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
     ds = next((tmp_path / "tokenized" / "data" / "web").glob("*.ds"))
     tokens = np.fromfile(ds, dtype=np.uint16)

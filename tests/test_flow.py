@@ -379,3 +379,49 @@ def test_a_killed_or_interrupted_cli_ends_and_takes_every_process_it_started_wit
     _, alive = psutil.wait_procs(marked, timeout=30)
     assert not alive, f"outlived the {how} CLI: {[' '.join(p.cmdline()[:4]) for p in alive]}"
     assert not census(token)
+
+
+def test_a_subflow_finds_the_root_of_its_chain_as_prefect_does_reading_each_parent_once(prefect_server, monkeypatch):
+    """The owner a relaunch is recognised by (flows/pipeline.py root_flow_run): prefect.runtime's answer, for flows two
+    deep, with one API read per flow run after the first sibling (a TLS client per read cost ~30 CPU s a suite)."""
+    from prefect import flow
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.runtime import flow_run
+
+    from flows.pipeline import root_flow_run
+
+    reads = []  # root_flow_run's own, not the flow engine's
+
+    def counted(name: str):
+        original = getattr(SyncPrefectClient, name)
+
+        def read(self, id):
+            if sys._getframe(1).f_code is root_flow_run.__code__:
+                reads.append(name)
+            return original(self, id)
+
+        return read
+
+    for name in ("read_task_run", "read_flow_run"):
+        monkeypatch.setattr(SyncPrefectClient, name, counted(name))
+
+    @flow
+    def stage() -> tuple[str | None, str]:
+        return root_flow_run(), flow_run.root_flow_run_id
+
+    @flow
+    def pipeline() -> list:
+        return [stage(), stage()]
+
+    @flow
+    def swarm() -> tuple[str, list]:
+        return flow_run.id, [pipeline(), pipeline()]
+
+    assert root_flow_run() is None, "outside a flow"
+    top, pipelines = swarm()
+    for ours, prefects in (s for p in pipelines for s in p):
+        assert ours == prefects == top
+    # the first stage reads up two levels, 2 reads a level; a later stage its parent task run only, as its pipeline's
+    # root is known; the second pipeline's first stage up to the swarm, which is known (prefect.runtime: 5 reads a stage)
+    up = ["read_task_run", "read_flow_run"]
+    assert reads == [*up, *up, "read_task_run", *up, "read_task_run", "read_task_run"]
