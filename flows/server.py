@@ -227,10 +227,13 @@ def temporary_server_of_its_own() -> None:
     to report how it ended (73 s after a Ctrl-C of `smolflow stage curate`; a `smolflow run` given SIGTERM was still
     retrying 100 s later). Now the flow reports, ends and stops the server (Prefect's atexit); a killed
     caller's server is reaped, as it carries the caller's tree mark (infra/procs.py)."""
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():  # a server of the user's: Prefect's server module (4 CPU s to import) is not needed
+        return
     import functools
 
     from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_API_URL
 
     class OwnSession(SubprocessASGIServer):
         def _run_uvicorn_command(self) -> subprocess.Popen:
@@ -241,8 +244,7 @@ def temporary_server_of_its_own() -> None:
             finally:
                 subprocess.Popen = popen
 
-    if not PREFECT_API_URL.value():
-        OwnSession()  # the instance Prefect's clients find under the default key, not yet started
+    OwnSession()  # the instance Prefect's clients find under the default key, not yet started
 
 
 def configure(pool: str, queues: dict[str, int]) -> None:

@@ -318,6 +318,28 @@ def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKIL
         sys.exit(f"{' '.join(sys.argv)}: the process that started it is gone (its parent is pid {os.getppid()}): not run")
 
 
+def exit_without_teardown(main: Callable[[], None]) -> None:
+    """Run a trainer rank's MAIN (model.train, postrain.run), then exit with its code once the atexit handlers ran,
+    skipping the interpreter's teardown and C++'s static destructors. DeepSpeed keeps its gloo process groups referenced
+    past `destroy_process_group`, so their threads (pt_gloo_runloop, gloo_tcp_loop) live on into that teardown; a
+    pretraining rank aborted there after a clean last step (SIGABRT, "terminate called without an active exception"),
+    failing the launch. An exception other than SystemExit propagates as before (its traceback, exit 1)."""
+    import atexit
+
+    try:
+        main()
+        code = None
+    except SystemExit as stop:
+        code = stop.code
+    if code is not None and not isinstance(code, int):  # sys.exit("message"): said on stderr, exit 1, as Python does
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()  # logging's flush, trackio's connections, weakref finalizers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 def tethered(command: list[str], log: Path | None = None) -> list[str]:
     """COMMAND, run so that it is stopped when the calling thread dies, its output also appended to LOG (module doc)."""
     return [sys.executable, "-m", "infra.procs", str(os.getpid()), *(["--log", str(log)] if log else []), "--", *command]

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from infra.env import skip_deepspeed_shm_build, thread_count
 from infra.errors import DiskFull, SmolflowError
 from infra.launch import mark_disk_full
-from infra.procs import PREEMPTED, PREEMPTED_MARK, die_with_parent, watch_owner
+from infra.procs import PREEMPTED, PREEMPTED_MARK, die_with_parent, exit_without_teardown, watch_owner
 from infra.recipe import S3Cfg, SpikeCfg
 from infra.steps import FINAL, METRICS, PHASE_SUMMARY
 from infra.storage import Mirror
@@ -564,4 +564,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_without_teardown(main)

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from infra.env import skip_deepspeed_shm_build, skip_unused_imports
 from infra.launch import mark_disk_full
-from infra.procs import PREEMPTED, die_with_parent, watch_owner
+from infra.procs import PREEMPTED, die_with_parent, exit_without_teardown, watch_owner
 from infra.recipe import PostrainCfg, TrainerCfg
 from infra.storage import write_json_atomic
 from postrain.common import Stopped, tracking_args
@@ -98,4 +98,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_without_teardown(main)

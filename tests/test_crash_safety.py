@@ -533,6 +533,39 @@ def test_a_launch_stopped_from_a_thread_returns_its_ranks_own_exit(tmp_path, ran
         STOPPING.clear()
 
 
+LEAVER = textwrap.dedent("""
+    import atexit, sys
+    from pathlib import Path
+    from infra.procs import exit_without_teardown
+
+    out, how = Path(sys.argv[1]), sys.argv[2]
+
+    class Global:  # freed only by the interpreter's teardown, where a rank's gloo threads once aborted it
+        def __del__(self, write=(out / "teardown").write_text):
+            write("ran")
+
+    kept = Global()
+    atexit.register((out / "atexit").write_text, "ran")
+
+    def main():
+        print("said", end="")  # not flushed yet
+        if how != "return":
+            sys.exit(int(how) if how.isdigit() else how)
+
+    exit_without_teardown(main)
+""")
+
+
+@pytest.mark.parametrize("how, code", [("return", 0), ("75", 75), ("a message", 1)])
+def test_a_rank_exits_with_its_code_and_its_atexit_handlers_run_but_skips_the_interpreters_teardown(tmp_path, how, code):
+    """A trainer rank's exit (`exit_without_teardown`): a clean return, PREEMPTED after a forced checkpoint, and
+    sys.exit(message) keep their exit codes and output, atexit handlers run, and nothing is left to tear down in."""
+    out = subprocess.run([sys.executable, "-c", LEAVER, str(tmp_path), how], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == code and out.stdout == "said", out.stderr
+    assert (how == "a message") == ("a message" in out.stderr), out.stderr
+    assert (tmp_path / "atexit").exists() and not (tmp_path / "teardown").exists()
+
+
 def test_daemons_and_jobs_meant_to_outlive_a_flow_are_started_without_its_tree_mark(tmp_path, monkeypatch):
     """The reaper kills what carries a dead flow process's mark: the local server and worker, Slurm's and Ray's
     daemons and Slurm jobs (which a relaunch follows by name) must not carry it."""

@@ -381,6 +381,18 @@ def test_a_killed_or_interrupted_cli_ends_and_takes_every_process_it_started_wit
     assert not census(token)
 
 
+def test_a_cli_given_a_server_of_its_users_leaves_prefects_own_server_unimported():
+    """With PREFECT_API_URL set (`source .smolflow/env`) no temporary server can start: a command that runs flows does
+    not import Prefect's server module for one (4 CPU s; `smolflow stage` took 5.6 CPU s to refuse an unknown stage)."""
+    import os
+
+    code = "import sys; from flows.server import temporary_server_of_its_own as own; own(); print(sorted(sys.modules))"
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "'prefect.settings'" in out.stdout, out.stderr
+    assert "'prefect.server.api.server'" not in out.stdout
+
+
 def test_a_subflow_finds_the_root_of_its_chain_as_prefect_does_reading_each_parent_once(prefect_server, monkeypatch):
     """The owner a relaunch is recognised by (flows/pipeline.py root_flow_run): prefect.runtime's answer, for flows two
     deep, with one API read per flow run after the first sibling (a TLS client per read cost ~30 CPU s a suite)."""
