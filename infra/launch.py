@@ -111,9 +111,13 @@ def accelerate_command(cfg: AccelerateCfg, module: str, args: list[str], config:
     """`accelerate launch` of `python -m module args` on `cfg.nproc` ranks, DeepSpeed ZeRO when `cfg.zero_stage` > 0.
 
     Every setting goes into CONFIG (written here, kept beside the step's output), so a user's default
-    accelerate config is never read and the launch can be repeated by hand.
+    accelerate config is never read and the launch can be repeated by hand. A lone rank without ZeRO is
+    `python -m module args` itself, no CONFIG: accelerate's launcher would only start it (3.7 CPU s of imports on a
+    Zen 3 core, to set what the trainer's TRL arguments set again: mixed precision, no dynamo), as pretraining's `python` kind.
     """
-    kind = "DEEPSPEED" if cfg.zero_stage else "MULTI_GPU" if cfg.nproc > 1 else "NO"  # MULTI_GPU on CPU: DDP over gloo
+    if cfg.nproc == 1 and not cfg.zero_stage:
+        return [sys.executable, "-m", module, *args]
+    kind = "DEEPSPEED" if cfg.zero_stage else "MULTI_GPU"  # MULTI_GPU on CPU: DDP over gloo
     settings = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": kind,

@@ -725,8 +725,10 @@ def test_grpo_with_vllm_rollouts_records_its_rewards_and_resumes_after_a_kill(vl
     while first.is_alive() and not (out / "checkpoints" / "checkpoint-4" / "trainer_state.json").exists():
         assert time.time() < deadline
         time.sleep(0.05)
-    trainers = [p for p in psutil.Process().children(recursive=True) if p.cmdline()[1:3] == ["-m", "postrain.run"]]
+    commands = {p: p.cmdline() for p in psutil.Process().children(recursive=True)}
+    trainers = [p for p, command in commands.items() if command[1:3] == ["-m", "postrain.run"]]
     assert len(trainers) == 1, f"the launch ended before its trainer could be killed: {[e.value for e in errors]}"
+    assert not [c for c in commands.values() if "accelerate.commands.launch" in c], "a lone rank needs no accelerate launcher"
     trainers[0].kill()
     first.join(timeout=120)
     assert errors and not (out / "final").exists()
