@@ -79,12 +79,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def lone_rank(module: str, args: list[str]) -> list[str]:
+    """One rank with no launcher: `python -m module args` (its tether still stops it)."""
+    return [sys.executable, "-m", module, *args]
+
+
 def launch_command(cfg: LauncherCfg, module: str, args: list[str], port: int) -> list[str]:
     """The command that starts `python -m module args` on `cfg.nproc` ranks per node."""
     if cfg.kind == "python":
         if cfg.nproc != 1:
             raise ValueError("launcher.kind python runs one process; use torchrun or deepspeed for nproc > 1")
-        return [sys.executable, "-m", module, *args]
+        return lone_rank(module, args)
     if cfg.kind == "torchrun":
         return [
             sys.executable,
@@ -116,7 +121,7 @@ def accelerate_command(cfg: AccelerateCfg, module: str, args: list[str], config:
     Zen 3 core, to set what the trainer's TRL arguments set again: mixed precision, no dynamo), as pretraining's `python` kind.
     """
     if cfg.nproc == 1 and not cfg.zero_stage:
-        return [sys.executable, "-m", module, *args]
+        return lone_rank(module, args)
     kind = "DEEPSPEED" if cfg.zero_stage else "MULTI_GPU"  # MULTI_GPU on CPU: DDP over gloo
     settings = {
         "compute_environment": "LOCAL_MACHINE",
