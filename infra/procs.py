@@ -66,7 +66,7 @@ def stop_on_signals() -> None:
     main thread). Called at the top of flow bodies: Prefect installs its handler when a flow starts. Only the
     main thread may install handlers: elsewhere this does nothing. A flow starting in the main thread is no stop
     in progress, so an earlier one's (a notebook's Ctrl-C) is cleared. What the flow starts is reaped with it
-    (`reap_when_gone`)."""
+    (`reap_when_gone`). The handler may set an Event (see `received`) since the main thread never waits on STOPPING."""
     if threading.current_thread() is not threading.main_thread():
         return
     reap_when_gone()
@@ -340,6 +340,17 @@ def exit_without_teardown(main: Callable[[], None]) -> None:
     os._exit(code or 0)
 
 
+def received(*signals: int) -> list[int]:
+    """A list each of SIGNALS is appended to when it arrives, for a loop that sleeps to poll it. Python runs a handler
+    in the main thread between two of its bytecodes, so a handler must take no lock: `Event.set` there never returns
+    when the signal lands while the main thread is inside that Event's `wait` (which holds its lock), as a loaded
+    tether's SIGTERM once did, and its trainer outlived the flow process."""
+    got: list[int] = []
+    for sig in signals:
+        signal.signal(sig, lambda signum, _: got.append(signum))
+    return got
+
+
 def tethered(command: list[str], log: Path | None = None) -> list[str]:
     """COMMAND, run so that it is stopped when the calling thread dies, its output also appended to LOG (module doc)."""
     return [sys.executable, "-m", "infra.procs", str(os.getpid()), *(["--log", str(log)] if log else []), "--", *command]
@@ -423,8 +434,7 @@ def tether(owner_pid: int, command: list[str], poll_s: float = 0.5, log: Path | 
     (see module doc)."""
     import subprocess
 
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    stopping = received(signal.SIGTERM)
     # a terminal's Ctrl-C reaches the owner too, which stops us; a handler, as SIG_IGN would pass on to COMMAND
     signal.signal(signal.SIGINT, lambda *_: None)
     die_with_parent(owner_pid, signal.SIGTERM)
@@ -443,9 +453,10 @@ def tether(owner_pid: int, command: list[str], poll_s: float = 0.5, log: Path | 
     copier.start()
     stopped = None
     while child.poll() is None:
-        if stopping.wait(poll_s):
+        if stopping:
             stopped = stop_tree(child.pid, command, float(os.environ.get(GRACE_ENV, 0)), relay)
             break
+        time.sleep(poll_s)
     code = child.wait() if stopped is None else stopped
     copier.join(timeout=REAP_GRACE_S)  # the last lines; a stray process still holding the pipe is not waited for
     relay.close(code)
@@ -463,12 +474,10 @@ def run_while(watched: Proc, command: list[str], poll_s: float = 1.0) -> int:
     import subprocess
 
     child = subprocess.Popen(command)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = received(signal.SIGTERM, signal.SIGINT)
     while child.poll() is None:
         gone = watched.process() is None
-        if gone or stop.is_set():
+        if gone or stop:
             if gone:
                 print(f"pid {watched.pid} is gone: stopping {os.path.basename(command[0])}", flush=True)
             child.terminate()
@@ -477,7 +486,7 @@ def run_while(watched: Proc, command: list[str], poll_s: float = 1.0) -> int:
             except subprocess.TimeoutExpired:
                 kill_tree(child.pid)
             break
-        stop.wait(poll_s)
+        time.sleep(poll_s)
     return child.wait()
 
 

@@ -22,7 +22,7 @@ import pytest
 from infra.errors import DataError, StepLocked
 from infra.launch import free_port, run_streaming
 from infra.locks import acquire
-from infra.procs import HOST, Proc
+from infra.procs import HOST, Proc, kill_tree
 from infra.recipe import S3Cfg
 from infra.steps import JOB, LAUNCH_LOG, MANIFEST, Step, fingerprint_tree, run_step
 from infra.storage import CorruptFile, Mirror, StorageError, download_folder, inside, temporaries
@@ -564,6 +564,50 @@ def test_a_rank_exits_with_its_code_and_its_atexit_handlers_run_but_skips_the_in
     assert out.returncode == code and out.stdout == "said", out.stderr
     assert (how == "a message") == ("a message" in out.stderr), out.stderr
     assert (tmp_path / "atexit").exists() and not (tmp_path / "teardown").exists()
+
+
+# A tether (or `--while` guard) around `sleep` whose main thread, once ARMED exists, sends itself SIGTERM as soon as
+# threading's own code entered a lock (`with` on an Event's or a Condition's): the handler runs there, the lock held.
+SIGNALLED_INSIDE_A_LOCK = textwrap.dedent("""
+    import os, signal, sys, threading
+    from infra.procs import Proc, run_while, tether
+
+    armed, guard = sys.argv[1], sys.argv[2] == "while"
+
+    def hook(frame, event, arg):
+        inside = frame.f_code.co_filename == threading.__file__
+        if event == "c_return" and inside and getattr(arg, "__name__", "") == "__enter__" and os.path.exists(armed):
+            os.unlink(armed)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    sys.setprofile(hook)  # the main thread only
+    command = ["sleep", "120"]
+    sys.exit(run_while(Proc.of(os.getppid()), command, 0.05) if guard else tether(os.getppid(), command, 0.05))
+""")
+
+
+@pytest.mark.parametrize("runner", ["tether", "while"])
+def test_a_sigterm_that_lands_while_the_main_thread_holds_a_lock_still_stops_the_tree(tmp_path, runner):
+    """A tether's SIGTERM handler once set a threading.Event the main loop waited on; landing inside that wait (which
+    holds the Event's lock) the handler never returned, and a trainer outlived its SIGKILLed flow process."""
+    armed = tmp_path / "armed"
+    proc = subprocess.Popen([sys.executable, "-c", SIGNALLED_INSIDE_A_LOCK, str(armed), runner], cwd=REPO)
+    deadline, sleeper = time.time() + 30, []
+    while not sleeper and time.time() < deadline:
+        time.sleep(0.1)
+        sleeper = [p for p in psutil.Process(proc.pid).children() if p.name() == "sleep"]
+    assert sleeper, "the command started"
+    armed.touch()
+    time.sleep(1)
+    if armed.exists():  # its loop takes no such lock: the signal comes from here
+        armed.unlink()
+        proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        pytest.fail(f"{runner}: SIGTERM'd inside a lock, it never stopped its command")
+    assert not psutil.pid_exists(sleeper[0].pid), "the command stopped"
 
 
 def test_daemons_and_jobs_meant_to_outlive_a_flow_are_started_without_its_tree_mark(tmp_path, monkeypatch):
