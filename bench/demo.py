@@ -3,7 +3,11 @@ finished one with --read) and prints, per step of the pipeline graph, when it st
 how long it built (from its manifest), per stage the span from its first step's start to its last
 step's end, and the time outside every step (start-ups, imports, Prefect round trips).
 
-    .venv/bin/python bench/demo.py [configs/tiny.yaml] [--run-dir runs/demo-bench] [--read]
+    .venv/bin/python bench/demo.py [configs/tiny.yaml] [--run-dir runs/demo-bench] [--read] [--record]
+
+With --record the figures and the run's ladder go into docs/results.jsonl and docs/results.md's demo table
+(bench/record.py), under the commit of the git checkout that holds the run dir (a fresh clone's `make demo`:
+`bench/demo.py --read --run-dir CLONE/runs/tiny --record`).
 
 Run it on an otherwise idle machine: the figure the demo promises (issue 13: ≤ 15 min on 2 cores)
 is wall time with nothing else running. With --read the launch is the first step's start.
@@ -22,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import record  # noqa: E402
 from flows.graph import STAGES, build_graph  # noqa: E402
 from infra.recipe import load_recipe  # noqa: E402
 from infra.steps import MANIFEST  # noqa: E402
@@ -38,6 +43,7 @@ def main() -> None:
     parser.add_argument("recipe", nargs="?", default="configs/tiny.yaml")
     parser.add_argument("--run-dir", default="runs/demo-bench", help="a fresh run dir (deleted first unless --read)")
     parser.add_argument("--read", action="store_true", help="report on a finished run dir instead of running")
+    parser.add_argument("--record", action="store_true", help="add the figures to docs/results.jsonl and docs/results.md")
     args = parser.parse_args()
     run_dir = Path(args.run_dir)
     launched = wall = None
@@ -67,17 +73,27 @@ def main() -> None:
     for stage, name, start, seconds in rows:
         print(f"{name:<28}{stage:<12}{start - launched:>9.0f}s{seconds:>9.0f}s")
     print(f"\n{'stage':<12}{'span':>9}{'share':>8}")
+    spans = {}
     for stage in STAGES:
-        spans = [(r[2], r[2] + r[3]) for r in rows if r[0] == stage]
-        if spans:
-            span = max(e for _, e in spans) - min(s for s, _ in spans)
-            print(f"{stage:<12}{span:>8.0f}s{span / wall:>8.1%}")
+        steps = [(r[2], r[2] + r[3]) for r in rows if r[0] == stage]
+        if steps:
+            spans[stage] = max(e for _, e in steps) - min(s for s, _ in steps)
+            print(f"{stage:<12}{spans[stage]:>8.0f}s{spans[stage] / wall:>8.1%}")
     covered, edge = 0.0, launched  # the union of step intervals: steps of a stage may overlap
     for start, stop in sorted((r[2], r[2] + r[3]) for r in rows):
         covered += max(0.0, stop - max(start, edge))
         edge = max(edge, stop)
     outside = wall - covered
     print(f"\nwall {wall:.0f}s ({wall / 60:.1f} min); inside steps {covered:.0f}s; outside steps {outside:.0f}s ({outside / wall:.1%})")
+    if args.record:
+        commit = subprocess.run(["git", "-C", str(run_dir), "rev-parse", "HEAD"], capture_output=True, text=True)
+        if commit.returncode:
+            sys.exit(f"error: --record names the commit of the checkout that holds {run_dir}, and it is in none")
+        ladder = run_dir / "reports" / "postrain.json"
+        rungs = {r["model"]: r["accuracy"] for r in json.loads(ladder.read_text())["ladder"]} if ladder.exists() else {}
+        date = datetime.fromtimestamp(launched, UTC).strftime("%Y-%m-%d")
+        figures = {"wall_s": round(wall), "stages_s": {s: round(v) for s, v in spans.items()}, "ladder": rungs}
+        record.append({"what": "demo", "date": date, "commit": commit.stdout.strip(), **figures})
 
 
 if __name__ == "__main__":

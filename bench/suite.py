@@ -14,8 +14,9 @@ with the packages whose imports cost the most. py-spy counts a thread busy unles
 threads (Prefect's server and clients) sample more seconds than they use CPU: read the import share, not the seconds.
 py-spy's own CPU counts in the profiled side's busy time, which is then not comparable with an unprofiled side.
 `--summarise RAW` prints that split for a RAW already recorded.
+With `--record` each side measured goes into docs/results.jsonl and docs/results.md's suite table (bench/record.py).
 Usage:  .venv/bin/python bench/suite.py [--base 96210ee] [--rev HEAD] [--only base|rev] [--json FILE] [--pytest-args ARGS]
-                                        [--profile RAW] [--summarise RAW]
+                                        [--profile RAW] [--summarise RAW] [--record]
 (96210ee: the suite when issue 42 asked for a cut to 0.7x its CPU work.)
 """
 
@@ -35,6 +36,9 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench import record  # noqa: E402
+
 BUSY = (0, 1, 2, 5, 6)  # user nice system irq softirq in /proc/stat's "cpu" line
 
 
@@ -222,12 +226,15 @@ def main() -> None:
     ap.add_argument("--pytest-args", default="", help="more pytest arguments for --rev's side, e.g. '--cpu-durations 30'")
     ap.add_argument("--profile", type=Path, metavar="RAW", help="profile the measured side with py-spy (needs --only)")
     ap.add_argument("--summarise", type=Path, metavar="RAW", help="only print the import split of a recorded profile")
+    ap.add_argument("--record", action="store_true", help="add each side to docs/results.jsonl and docs/results.md")
     args = ap.parse_args()
     if args.summarise:
         print_imports(import_split(args.summarise))
         return
     if args.profile and not args.only:
         ap.error("--profile measures one side only (py-spy's CPU counts in its busy time): add --only base or --only rev")
+    if args.profile and args.record:
+        ap.error("--record takes unprofiled sides only (py-spy's CPU counts in a profiled side's busy time)")
     cpu0 = busy_s()
     time.sleep(30)
     idle = (busy_s() - cpu0) / 30
@@ -242,6 +249,8 @@ def main() -> None:
         print(f"{args.rev} / {args.base}: CPU {r['cpu_s'] / b['cpu_s']:.2f}x, wall {r['wall_s'] / b['wall_s']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"cores": os.cpu_count(), "idle_cores_busy": idle, **sides}, indent=1) + "\n")
+    for side in sides.values() if args.record else ():
+        record.append(record.suite_record(side, time.strftime("%Y-%m-%d", time.gmtime())))
     sys.exit(max(s["rc"] for s in sides.values()))
 
 

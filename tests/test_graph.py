@@ -196,6 +196,22 @@ def test_the_layering_check_sees_importlib_calls(tmp_path, monkeypatch):
     assert _imports("lib") >= {"flows", "<dynamic>"}
 
 
+def test_the_results_tables_are_rendered_from_the_record_and_a_measured_run_becomes_a_row(tmp_path, monkeypatch):
+    """docs/results.md's tables are bench/record.py's rendering of docs/results.jsonl, never typed by hand."""
+    from bench import record
+
+    doc = record.DOC.read_text()
+    assert record.with_tables(doc, record.load()) == doc, "docs/results.md's tables differ from the record: `python bench/record.py`"
+    monkeypatch.setattr(record, "RECORDS", tmp_path / "results.jsonl")
+    monkeypatch.setattr(record, "DOC", tmp_path / "results.md")
+    record.DOC.write_text(doc)
+    side = {"commit": "abc1234def", "result": "2 failed, 10 passed, 3 warnings in 600.0s", "wall_s": 600.2, "cpu_s": 1080.4}
+    record.append(record.suite_record(side, "2031-01-02"))
+    rows = [line for line in record.DOC.read_text().splitlines() if line.startswith("| 2031-01-02 |")]
+    assert len(rows) == 1 and rows[0].startswith("| 2031-01-02 | abc1234 | ")
+    assert rows[0].endswith("| 10 passed, 2 failed | 10.0 min | 1,080 s | 90.0 s |"), rows
+
+
 def test_the_trainer_registry_names_functions_of_the_post_training_library():
     from infra.recipe import PostrainCfg
 
