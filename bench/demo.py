@@ -89,6 +89,10 @@ def main() -> None:
         commit = subprocess.run(["git", "-C", str(run_dir), "rev-parse", "HEAD"], capture_output=True, text=True)
         if commit.returncode:
             sys.exit(f"error: --record names the commit of the checkout that holds {run_dir}, and it is in none")
+        status = ["git", "-C", str(run_dir), "status", "--porcelain", "--untracked-files=no"]
+        edited = subprocess.run(status, capture_output=True, text=True)
+        if edited.stdout.strip():  # the code that ran is not the commit's: a row under that commit would misname it
+            sys.exit(f"error: --record names a commit, and the checkout that holds {run_dir} has edits to it:\n{edited.stdout}")
         ladder = run_dir / "reports" / "postrain.json"
         rungs = {r["model"]: r["accuracy"] for r in json.loads(ladder.read_text())["ladder"]} if ladder.exists() else {}
         date = datetime.fromtimestamp(launched, UTC).strftime("%Y-%m-%d")

@@ -41,21 +41,26 @@ SetOpt = Annotated[
 
 def runs_flows(command):
     """For a command that runs flows in this process: what it starts from here on, Prefect's temporary API
-    server included, is killed once the process is gone, however it ends (infra/procs.py `reap_when_gone`), and
-    that server runs in a session of its own, so a Ctrl-C reaches the flow and not the server it reports to."""
+    server included, is killed once the process is gone, however it ends (infra/procs.py `reap_when_gone`)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         from infra.procs import reap_when_gone
 
         reap_when_gone()
-        if not kwargs.get("dry_run"):  # a dry run starts no server: it does not import Prefect's
-            from flows.server import temporary_server_of_its_own
-
-            temporary_server_of_its_own()
         return command(*args, **kwargs)
 
     return wrapper
+
+
+def _start(flow, *args, **kwargs):
+    """Call FLOW here, Prefect's temporary API server (where no PREFECT_API_URL is set) in a session of its own, so a
+    Ctrl-C reaches the flow and not the server it reports to. Set up here, once the command's checks passed: Prefect's
+    server module costs 4 CPU s to import, and a refused command (a bad recipe, a missing upstream) does not need it."""
+    from flows.server import temporary_server_of_its_own
+
+    temporary_server_of_its_own()
+    return flow(*args, **kwargs)
 
 
 def _fail(err: SmolflowError) -> None:
@@ -189,11 +194,12 @@ def _explain(run: Run, graph: Graph, recipe: Path, overrides: list[str], stages:
     return decided
 
 
-def _run_flow(flow_fn, recipe: Path, run_dir: str | None, overrides: list[str], stages: list[str], dry_run: bool) -> None:
-    from flows.graph import build_graph
-    from flows.pipeline import upstream
+def _run_flow(recipe: Path, run_dir: str | None, overrides: list[str], dry_run: bool, stage: str | None, until: str | None = None) -> None:
+    """Run one STAGE's flow, else the pipeline's up to UNTIL, after the checks a dry run also makes."""
+    from flows.graph import STAGES, build_graph, upstream
     from infra.steps import Run
 
+    stages = [stage] if stage else list(STAGES[: STAGES.index(until) + 1] if until else STAGES)
     try:
         _resolve(recipe, overrides)  # fail fast, before a Prefect server is started
         run = Run.open(str(recipe), run_dir, overrides, freeze=False)  # opened once: its recipe changes are logged once
@@ -204,7 +210,10 @@ def _run_flow(flow_fn, recipe: Path, run_dir: str | None, overrides: list[str], 
         upstream(run, graph, stages, obtain=False, decided=decided)
         if dry_run:
             return
-        result = flow_fn(str(recipe), run_dir, overrides)
+        from flows.pipeline import STAGE_FLOWS, full_pipeline  # Prefect, imported once a flow runs (~2 CPU s)
+
+        args = (str(recipe), run_dir, overrides)
+        result = _start(STAGE_FLOWS[stage], *args) if stage else _start(full_pipeline, *args, until=until)
     except SmolflowError as err:
         _fail(err)
     if isinstance(result, dict):
@@ -226,16 +235,12 @@ def run(
     """Run the full pipeline as one Prefect flow run; finished steps of the run dir are skipped.
 
     On an existing run dir whose frozen recipe differs, the changes and what they rerun are printed first."""
-    from functools import partial
-
     from flows.graph import STAGES
-    from flows.pipeline import full_pipeline
 
     if until is not None and until not in STAGES:
         typer.secho(f"error: unknown stage {until!r}; stages: {', '.join(STAGES)}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
-    stages = list(STAGES[: STAGES.index(until) + 1] if until else STAGES)
-    _run_flow(partial(full_pipeline, until=until), recipe, run_dir, set_ or [], stages, dry_run)
+    _run_flow(recipe, run_dir, set_ or [], dry_run, None, until)
 
 
 @app.command()
@@ -249,12 +254,11 @@ def stage(
 ) -> None:
     """Run one stage's flow, reading its inputs from the run dir of earlier stages (which must be current)."""
     from flows.graph import STAGES
-    from flows.pipeline import STAGE_FLOWS
 
     if name not in STAGES:
         typer.secho(f"error: unknown stage {name!r}; stages: {', '.join(STAGES)}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
-    _run_flow(STAGE_FLOWS[name], recipe, run_dir, set_ or [], [name], dry_run)
+    _run_flow(recipe, run_dir, set_ or [], dry_run, name)
 
 
 @app.command()
@@ -282,7 +286,7 @@ def ablate(
         if dry_run:
             typer.echo("\n".join(explain(abl)))
             return
-        path = ablation_report(abl) if report_only else ablation_flow(str(ablation), run_dir)
+        path = ablation_report(abl) if report_only else _start(ablation_flow, str(ablation), run_dir)
     except SmolflowError as err:
         _fail(err)
     typer.echo(str(path))
@@ -324,7 +328,7 @@ def swarm(
             return
         if report_only and available is None:
             raise SmolflowError(f"{sw.root}: no finished curation run yet: run the swarm first")
-        path = swarm_report(sw, draws, abl, available) if report_only else swarm_flow(str(swarm_file), run_dir, set_)
+        path = swarm_report(sw, draws, abl, available) if report_only else _start(swarm_flow, str(swarm_file), run_dir, set_)
     except SmolflowError as err:
         _fail(err)
     typer.echo(str(path))
@@ -408,12 +412,12 @@ def eval_cmd(
     recipe: Annotated[Path | None, typer.Option(help="Recipe of the run (default: the source's recipe.json).")] = None,
 ) -> None:
     """Evaluate every checkpoint and model under SOURCE that has no results yet (what the scheduled-eval flow runs)."""
-    from flows.pipeline import scheduled_eval_flow
-
     if "://" not in source:  # a typo is named here, before a Prefect server starts (a schedule's flow just waits for its run)
         _require_run_dirs([Path(source)])
+    from flows.pipeline import scheduled_eval_flow
+
     try:
-        result = scheduled_eval_flow(source, str(recipe) if recipe else None)
+        result = _start(scheduled_eval_flow, source, str(recipe) if recipe else None)
     except SmolflowError as err:
         _fail(err)
     typer.echo(result)
@@ -439,6 +443,7 @@ def evals_audit(
     trend), signal-to-noise, distance from chance,
     and with several runs ranking consistency (Kendall) between successive checkpoints. Each task gets a verdict:
     usable early, usable late, or no signal at this scale (the report card shows the same table)."""
+    _require_run_dirs(run_dirs)  # a typo named in a second, before the imports below
     import json
 
     from flows.graph import build_graph
@@ -446,7 +451,6 @@ def evals_audit(
     from tasks.evaluation.audit import audit, audit_table
     from tasks.evaluation.report import eval_records
 
-    _require_run_dirs(run_dirs)
     try:
         audits = audit([eval_records(d, build_graph(source_recipe(str(d), None)).steps) for d in run_dirs])
     except SmolflowError as err:

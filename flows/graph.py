@@ -19,7 +19,7 @@ import functools
 from dataclasses import dataclass
 
 from infra.recipe import Recipe
-from infra.steps import Step
+from infra.steps import Run, Status, Step, StepOutput, require
 from tasks import curate, postrain, pretrain
 from tasks.curation.filters import check_filters
 from tasks.evaluate import Models
@@ -114,3 +114,19 @@ def build_graph(recipe: Recipe) -> Graph:
 
 def _eval_sets(cfg: curate.DecontaminateStepCfg) -> dict[str, str]:
     return {"eval_sets": curate.eval_set_fingerprint(cfg.decontaminate.eval_sets)}
+
+
+def upstream_steps(graph: Graph, stages: list[str]) -> dict[str, Step]:
+    """The steps of other stages that `stages` read, by name."""
+    return {d.name: d for s in graph.steps if s.stage in stages for d in s.deps.values() if d.stage not in stages}
+
+
+def upstream(run: Run, graph: Graph, stages: list[str], obtain: bool = True, decided: list[Status] | None = None) -> dict[str, StepOutput]:
+    """The outputs that `stages` read from other stages, each current with the recipe (in the store, or pulled
+    from the mirror when OBTAIN), or UpstreamMissing naming the stage to run first. Decided as a build
+    decides (infra/steps.py `decide`), before a stage starts anything; DECIDED: the graph's statuses, if known."""
+    deps = upstream_steps(graph, stages)
+    known = {s.step.name: s for s in (decided if decided is not None else run.statuses(graph.steps))} if deps else {}
+    for name in deps:
+        require(run.run_dir, known[name], needed_by=" and ".join(stages))
+    return {name: run.obtain(known[name]) for name in deps} if obtain else {}

@@ -18,11 +18,11 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
-from flows.graph import EVALUATE, STAGES, Graph, build_graph
+from flows.graph import EVALUATE, STAGES, Graph, build_graph, upstream
 from infra.errors import SmolflowError
 from infra.procs import stop_on_signals
 from infra.recipe import Override, Recipe, load_recipe
-from infra.steps import RECIPE, RUNS, Run, Status, Step, StepOutput, finished, frozen_recipe, out_of_date, rebuild_command, require
+from infra.steps import RECIPE, RUNS, Run, Step, StepOutput, finished, frozen_recipe, out_of_date, rebuild_command
 from infra.storage import filesystem
 from tasks import curate, postrain, pretrain
 from tasks import evaluate as ev
@@ -67,22 +67,6 @@ def root_flow_run() -> str | None:
     root = _ROOTS.get(run_id, run_id)
     _ROOTS.update(dict.fromkeys([*chain, root], root))
     return root
-
-
-def upstream_steps(graph: Graph, stages: list[str]) -> dict[str, Step]:
-    """The steps of other stages that `stages` read, by name."""
-    return {d.name: d for s in graph.steps if s.stage in stages for d in s.deps.values() if d.stage not in stages}
-
-
-def upstream(run: Run, graph: Graph, stages: list[str], obtain: bool = True, decided: list[Status] | None = None) -> dict[str, StepOutput]:
-    """The outputs that `stages` read from other stages, each current with the recipe (in the store, or pulled
-    from the mirror when OBTAIN), or UpstreamMissing naming the stage to run first. Decided as a build
-    decides (infra/steps.py `decide`), before a stage starts anything; DECIDED: the graph's statuses, if known."""
-    deps = upstream_steps(graph, stages)
-    known = {s.step.name: s for s in (decided if decided is not None else run.statuses(graph.steps))} if deps else {}
-    for name in deps:
-        require(run.run_dir, known[name], needed_by=" and ".join(stages))
-    return {name: run.obtain(known[name]) for name in deps} if obtain else {}
 
 
 def run_steps(run: Run, stage: str, graph: Graph, available: dict[str, StepOutput] | None = None) -> dict[str, StepOutput]:

@@ -11,8 +11,6 @@ import json
 from pathlib import Path
 from typing import Any, TypedDict
 
-from prefect.artifacts import create_table_artifact
-
 from infra.env import cores
 from infra.errors import DataError
 from infra.recipe import (
@@ -43,7 +41,7 @@ from tasks.curation import corpus, pipelines, tokenizer
 from tasks.curation.mixtures import MixturePhase, resolve_mixtures
 from tasks.curation.readers import DEFAULT_GLOBS
 from tasks.curation.report import curation_report, mixture_rows
-from tasks.evaluation.plots import artifact
+from tasks.evaluation.plots import artifact, table_artifact
 
 # each step's inputs by role (flows/graph.py wires them; a Step checks the wiring against these)
 
@@ -245,6 +243,6 @@ def report(run_dir: Path, name: str, steps: list[StepOutput], examples_per_filte
     path.with_suffix(".json").write_text(json.dumps({s.name: s.summary.model_dump(mode="json") for s in steps}, indent=2))
     key = f"{name}-curation".replace("_", "-")
     artifact(markdown, path.parent, key, "Curation report")
-    create_table_artifact(mixture_rows(outputs["mixed"].summary), key=f"{key}-mixtures", description="Tokens drawn per phase and source")
+    table_artifact(mixture_rows(outputs["mixed"].summary), key=f"{key}-mixtures", description="Tokens drawn per phase and source")
     run_logger().info("curation report: %s", path.resolve())
     return path

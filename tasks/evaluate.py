@@ -11,15 +11,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefect.artifacts import create_table_artifact
-
 from infra.recipe import Recipe
 from infra.steps import Run, Step, StepOutput
 from infra.storage import Mirror, download_folder
 from tasks.common import run_logger, stage_task
 from tasks.curation.pipelines import HELDOUT
 from tasks.evaluation.harness import EvalFailed, prepare_tasks
-from tasks.evaluation.plots import artifact
+from tasks.evaluation.plots import artifact, table_artifact
 from tasks.evaluation.report import build_report
 from tasks.evaluation.results import RESULTS, ResultStore, keep_keys, models_in_prefix, models_in_run, run_results
 from tasks.evaluation.runner import EvalSummary, Evaluator
@@ -115,6 +113,6 @@ def report_card(run_dir: Path, name: str, steps: list[Step]) -> Path:
     key = f"{name}-report-card".replace("_", "-")
     artifact(card.markdown, card.path.parent, key, f"Report card of {run_dir}")
     if card.eval_rows:
-        create_table_artifact(card.eval_rows, key=f"{key}-evals", description="Evaluation results per checkpoint")
+        table_artifact(card.eval_rows, key=f"{key}-evals", description="Evaluation results per checkpoint")
     run_logger().info("report card: %s (plots: %s)", card.path.resolve(), ", ".join(p.name for p in card.plots))
     return card.path

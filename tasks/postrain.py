@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TypedDict
 
-from prefect.artifacts import create_table_artifact
 from pydantic import create_model
 
 from infra.launch import Tail, accelerate_command, before_launch, check_exit, free_port, launch_env, run_streaming
@@ -34,7 +33,7 @@ from tasks.card import write_card
 from tasks.common import run_logger, stage_task, tracking_env, tracking_project
 from tasks.curate import eval_set_fingerprint
 from tasks.curation.corpus import read_eval_questions
-from tasks.evaluation.plots import artifact
+from tasks.evaluation.plots import artifact, table_artifact
 from tasks.evaluation.report import falls, ladder, ladder_plot, ladder_table, trained_apart
 
 Inputs = Mapping[str, StepOutput]
@@ -236,6 +235,6 @@ def report(run_dir: Path, name: str, models: list[tuple[str, StepOutput]], pairs
     write_json_atomic(path.with_suffix(".json"), {"ladder": rows, "seconds": {s.name: s.seconds for s in steps}})
     key = f"{name}-postrain".replace("_", "-")
     artifact(markdown, path.parent, key, "Post-training ladder")
-    create_table_artifact(rows, key=f"{key}-ladder", description="Held-out accuracy per post-training step")
+    table_artifact(rows, key=f"{key}-ladder", description="Held-out accuracy per post-training step")
     run_logger().info("post-training report: %s", path.resolve())
     return path

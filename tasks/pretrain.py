@@ -15,8 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypedDict
 
-from prefect.artifacts import create_table_artifact
-
 from infra import rayjobs, slurm
 from infra.env import thread_count
 from infra.errors import SmolflowError
@@ -32,6 +30,7 @@ from tasks.card import write_card
 from tasks.common import run_logger, stage_task, tracking_env, tracking_project
 from tasks.curation.mixtures import MixturePhase, windows
 from tasks.curation.pipelines import source_data
+from tasks.evaluation.plots import table_artifact
 from tasks.evaluation.report import pretraining_table, step_metrics
 
 # Checkpoints kept beyond keep_last while the eval follower catches up (tasks/evaluate.py).
@@ -275,6 +274,6 @@ def report(run_dir: Path, name: str, phases: list[StepOutput]) -> Path:
     path = run_dir / "reports" / "pretrain.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + f"\n\nFinal model: `{phases[-1].final}`\n")
-    create_table_artifact(rows, key=f"{name}-pretrain".replace("_", "-"), description="Pretraining phases")
+    table_artifact(rows, key=f"{name}-pretrain".replace("_", "-"), description="Pretraining phases")
     run_logger().info("pretrain report: %s", path.resolve())
     return path

@@ -832,7 +832,7 @@ def test_a_step_finished_on_a_mirror_of_the_old_layout_is_pulled_not_rebuilt_and
 def test_the_dry_run_the_upstream_check_and_the_build_make_one_decision_mirror_included(tmp_path, bucket):
     """A fresh machine whose mirror holds the upstream: the dry run says `pull`, a stage's upstream check passes
     and the stage pulls it; nothing is built again."""
-    from flows.pipeline import upstream
+    from flows.graph import upstream
     from infra.steps import Run
     from tests.helpers import micro_recipe, write_recipe
 

@@ -460,8 +460,7 @@ def test_apo_and_grpo_cancelled_through_the_api_checkpoint_and_their_reruns_resu
     on the pipeline's SFT model; APO's pairs from `right_over_wrong`."""
     import dataclasses
 
-    from flows.graph import build_graph
-    from flows.pipeline import upstream
+    from flows.graph import build_graph, upstream
     from infra.steps import Run
 
     assert wait_final(server, pipeline.run_id)["state_type"] == "COMPLETED"

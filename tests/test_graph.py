@@ -239,6 +239,27 @@ def test_short_lived_processes_import_no_training_library(modules):
     assert out.returncode == 0 and out.stdout.split() == ["[]"], out.stdout + out.stderr
 
 
+@pytest.mark.parametrize(
+    "command",
+    ["validate configs/micro.yaml", "run configs/micro.yaml --dry-run", "stage sft configs/micro.yaml --dry-run"],
+)
+def test_commands_that_run_no_flow_import_no_prefect(command, tmp_path):
+    """Checking a recipe, a dry run and a refused stage only read the recipe and the run dir: Prefect (with pandas, ~2
+    CPU s; `smolflow validate` took 4.5 CPU s, 2 without it) is imported once a flow runs (tasks.common `DeferredTask`)."""
+    args = command.split() + (["--run-dir", str(tmp_path / "run")] if "dry-run" in command else [])
+    code = (
+        f"import sys\nfrom flows.cli import app\ntry:\n    app({args!r})"
+        "\nfinally:\n    print('prefect' in sys.modules, 'pandas' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    said = out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == "False False", said
+    if command.startswith("stage"):  # refused: the micro run dir holds no pretrained model yet
+        assert out.returncode == 2 and "run      sft" in out.stdout and "smolflow stage pretrain" in out.stderr, said
+    else:
+        assert out.returncode == 0 and ("valid recipe" in out.stdout or "steps would run" in out.stdout), said
+
+
 def test_the_flow_process_measures_its_matmul_peak_with_torch_alone(tmp_path):
     """The MFU probe runs in the flow process before a run's first trainer: torch, never transformers' model code."""
     code = (
@@ -270,7 +291,8 @@ def test_step_names_are_spelled_only_in_the_graph_module():
 
 def test_every_cli_command_that_runs_a_flow_starts_its_reaper_first():
     """A command that calls a flow in its own process marks its tree (`runs_flows`) before Prefect starts a
-    temporary server, or that server outlives a killed CLI; checked here, so a new command cannot forget it."""
+    temporary server, or that server outlives a killed CLI, and calls it through `_start`, or that server shares
+    the CLI's session and a Ctrl-C stops it under the flow; checked here, so a new command cannot forget either."""
     import importlib
 
     from prefect import Flow
@@ -292,6 +314,13 @@ def test_every_cli_command_that_runs_a_flow_starts_its_reaper_first():
     commands = {name for name, f in functions.items() if any("command" in ast.unparse(d) for d in f.decorator_list)}
     unmarked = [n for n in sorted(running & commands) if "runs_flows" not in {ast.unparse(d) for d in functions[n].decorator_list}]
     assert running & commands and not unmarked, f"CLI commands that run flows without @runs_flows: {unmarked}"
+    tree = ast.parse((REPO / "flows" / "cli.py").read_text())
+    direct = [
+        ast.unparse(c)
+        for c in ast.walk(tree)
+        if isinstance(c, ast.Call) and {n.id for n in ast.walk(c.func) if isinstance(n, ast.Name)} & flows
+    ]
+    assert not direct, f"flows called other than through `_start`: {direct}"
 
 
 def test_prefect_yaml_deploys_every_stage_of_the_graph():

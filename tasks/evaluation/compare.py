@@ -29,7 +29,7 @@ from infra.storage import write_json_atomic, write_text_atomic
 from infra.summaries import HeldoutEval, PhaseSummary, TrainedSummary
 from tasks.common import run_logger
 from tasks.evaluation.audit import NO_SIGNAL, NOISE_WINDOW, audit, audit_table, series
-from tasks.evaluation.plots import artifact, save
+from tasks.evaluation.plots import artifact, save, table_artifact
 from tasks.evaluation.report import eval_records, ladder, not_compared, rung_change, step_metrics, trained_apart
 from tasks.evaluation.results import local_fingerprint, main_metric, run_results, stderr_of
 from tasks.evaluation.stats import Items, checkpoint_floor, items_of, noise_floor, paired, verdict
@@ -515,7 +515,6 @@ def _conclusion(table: list[dict[str, Any]]) -> list[str]:
 
 
 def _artifacts(name: str, markdown: str, folder: Path, table: list[dict[str, Any]]) -> None:
-    from prefect.artifacts import create_table_artifact
     from prefect.context import FlowRunContext
 
     if FlowRunContext.get() is None:  # rebuilt outside a flow run (`smolflow ablate --report`)
@@ -523,4 +522,4 @@ def _artifacts(name: str, markdown: str, folder: Path, table: list[dict[str, Any
     key = f"{name}-ablation".replace("_", "-").lower()
     artifact(markdown, folder, key, f"Ablation {name}")
     if table:
-        create_table_artifact([{k: str(v) for k, v in e.items()} for e in table], key=f"{key}-results", description="Scores per variant")
+        table_artifact([{k: str(v) for k, v in e.items()} for e in table], key=f"{key}-results", description="Scores per variant")

@@ -57,3 +57,11 @@ def artifact(markdown: str, folder: Path, key: str, description: str) -> None:
     from prefect.artifacts import create_markdown_artifact
 
     create_markdown_artifact(inline(markdown, folder), key=key, description=description)
+
+
+def table_artifact(rows: list[dict], key: str, description: str) -> None:
+    """Rows as a Prefect table artifact. Prefect is imported here, as in `artifact`: the modules that publish reports
+    are imported by every CLI command, most of which run no flow."""
+    from prefect.artifacts import create_table_artifact
+
+    create_table_artifact(rows, key=key, description=description)
