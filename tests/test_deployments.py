@@ -46,12 +46,17 @@ def server(tmp_path_factory):
     server = Server(root=REPO, state=tmp_path_factory.mktemp("state"), port=free_port())
     env = {**os.environ, "SMOLFLOW_STATE": str(server.state)}
     start = subprocess.run([SMOLFLOW, "server", "start", "--port", str(server.port)], env=env, cwd=REPO, capture_output=True, text=True)
-    assert start.returncode == 0, start.stdout + start.stderr
+    assert start.returncode == 0, start.stdout + start.stderr + log_tails(server)
     deploy = prefect(server, "--no-prompt", "deploy", "--all")
-    assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+    assert deploy.returncode == 0, deploy.stdout + deploy.stderr + log_tails(server)
     yield server
     server.stop()
     assert server.pid("server") is None and server.pid("worker") is None
+
+
+def log_tails(server: Server) -> str:
+    """The server's and worker's logs, ends only: a failed start in CI is read from its output, its temp dir gone."""
+    return "".join(f"\n--- {log.name} ---\n{log.read_text(errors='replace')[-4000:]}" for log in sorted(server.state.glob("*.log")))
 
 
 @dataclass(frozen=True)
