@@ -260,6 +260,18 @@ def test_commands_that_run_no_flow_import_no_prefect(command, tmp_path):
         assert out.returncode == 0 and ("valid recipe" in out.stdout or "steps would run" in out.stdout), said
 
 
+def test_a_report_rebuilt_outside_a_run_publishes_no_artifact_and_starts_no_prefect(tmp_path):
+    """`smolflow ablate --report` and `swarm --report` write their report outside a flow run: its artifacts would belong
+    to no run (deprecated by Prefect) and started Prefect's temporary server to hold them (17 CPU s)."""
+    code = (
+        f"import sys, pathlib; from tasks.evaluation.plots import artifact, table_artifact; "
+        f"artifact('# r', pathlib.Path({str(tmp_path)!r}), 'r', 'd'); table_artifact([{{'a': 1}}], 'r-t', 'd'); "
+        "print('prefect' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.split() == ["False"], out.stdout + out.stderr
+
+
 def test_the_flow_process_measures_its_matmul_peak_with_torch_alone(tmp_path):
     """The MFU probe runs in the flow process before a run's first trainer: torch, never transformers' model code."""
     code = (

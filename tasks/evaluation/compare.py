@@ -515,10 +515,6 @@ def _conclusion(table: list[dict[str, Any]]) -> list[str]:
 
 
 def _artifacts(name: str, markdown: str, folder: Path, table: list[dict[str, Any]]) -> None:
-    from prefect.context import FlowRunContext
-
-    if FlowRunContext.get() is None:  # rebuilt outside a flow run (`smolflow ablate --report`)
-        return
     key = f"{name}-ablation".replace("_", "-").lower()
     artifact(markdown, folder, key, f"Ablation {name}")
     if table:

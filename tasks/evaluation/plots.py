@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import re
+import sys
 from pathlib import Path
 
 from infra.errors import SmolflowError
@@ -54,14 +55,27 @@ def inline(markdown: str, folder: Path) -> str:
 def artifact(markdown: str, folder: Path, key: str, description: str) -> None:
     """A report (linking its plots relative to FOLDER) as a Prefect markdown artifact that shows them in the UI:
     the one way a report reaches the UI."""
-    from prefect.artifacts import create_markdown_artifact
+    if in_run():
+        from prefect.artifacts import create_markdown_artifact
 
-    create_markdown_artifact(inline(markdown, folder), key=key, description=description)
+        create_markdown_artifact(inline(markdown, folder), key=key, description=description)
 
 
 def table_artifact(rows: list[dict], key: str, description: str) -> None:
     """Rows as a Prefect table artifact. Prefect is imported here, as in `artifact`: the modules that publish reports
     are imported by every CLI command, most of which run no flow."""
-    from prefect.artifacts import create_table_artifact
+    if in_run():
+        from prefect.artifacts import create_table_artifact
 
-    create_table_artifact(rows, key=key, description=description)
+        create_table_artifact(rows, key=key, description=description)
+
+
+def in_run() -> bool:
+    """Whether this is a Prefect flow or task run, the only place an artifact belongs. A report rebuilt outside one
+    (`smolflow ablate --report`, `swarm --report`) is its file alone: its artifact started Prefect's temporary server
+    for a run-less artifact, which Prefect deprecates (17 CPU s, 20 s). A run imported Prefect already."""
+    if "prefect" not in sys.modules:
+        return False
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
