@@ -262,7 +262,7 @@ def test_commands_that_run_no_flow_import_no_prefect(command, tmp_path):
 
 def test_a_report_rebuilt_outside_a_run_publishes_no_artifact_and_starts_no_prefect(tmp_path):
     """`smolflow ablate --report` and `swarm --report` write their report outside a flow run: its artifacts would belong
-    to no run (deprecated by Prefect) and started Prefect's temporary server to hold them (17 CPU s)."""
+    to no run (deprecated by Prefect) and started Prefect's temporary server to hold them."""
     code = (
         f"import sys, pathlib; from tasks.evaluation.plots import artifact, table_artifact; "
         f"artifact('# r', pathlib.Path({str(tmp_path)!r}), 'r', 'd'); table_artifact([{{'a': 1}}], 'r-t', 'd'); "

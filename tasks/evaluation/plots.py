@@ -72,8 +72,8 @@ def table_artifact(rows: list[dict], key: str, description: str) -> None:
 
 def in_run() -> bool:
     """Whether this is a Prefect flow or task run, the only place an artifact belongs. A report rebuilt outside one
-    (`smolflow ablate --report`, `swarm --report`) is its file alone: its artifact started Prefect's temporary server
-    for a run-less artifact, which Prefect deprecates (17 CPU s, 20 s). A run imported Prefect already."""
+    (`smolflow ablate --report`, `swarm --report`) is its file alone: Prefect deprecates a run-less artifact and started
+    its temporary server to hold one (docs/developing.md). A run imported Prefect already."""
     if "prefect" not in sys.modules:
         return False
     from prefect.context import FlowRunContext, TaskRunContext
