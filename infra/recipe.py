@@ -58,6 +58,16 @@ def parse_count(value: Any) -> Any:
 
 
 Count = Annotated[int, BeforeValidator(parse_count), Field(gt=0)]
+
+
+def per_job(value: Any) -> Any:
+    """One message for a bad `tasks_per_job`, not one per member of its union."""
+    if value == "even" or (type(value) is int and value > 0):
+        return value
+    raise ValueError(f"expected a positive integer or 'even', got {value!r}")
+
+
+PerJob = Annotated[int | Literal["even"], BeforeValidator(per_job)]
 Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
 
 
@@ -87,6 +97,11 @@ class ExecutorCfg(Strict):
     kind: Literal["local", "slurm", "ray"] = operational("local")
     tasks: int = Field(2, gt=0, description="shards a pipeline is split into (shard files and token order depend on it)")
     workers: int = operational(2, gt=0, description="shards run at once (local executor)")
+    tasks_per_job: PerJob = operational(
+        1,
+        description="shards one Slurm array job or Ray actor runs in turn (datatrove's tasks_per_job); 'even': "
+        "ceil(shards / workers), so a pipeline starts at most `workers` jobs, for shards shorter than a job's start",
+    )
     slurm: SlurmCfg = operational(SlurmCfg())
     timeout_hours: float = operational(48, gt=0, description="a cluster pipeline still incomplete after this long fails its task")
     ray_address: str | None = operational(

@@ -21,7 +21,8 @@ from tests.test_curation import read_ids
 
 
 def cluster_executor(kind: str, **changes):
-    recipe = micro_recipe(executor={"kind": kind, "tasks": 2, "workers": 2, "slurm": {"mem_per_cpu_gb": 0.5}, **changes})
+    executor = {"kind": kind, "tasks": 2, "workers": 2, "tasks_per_job": "even", "slurm": {"mem_per_cpu_gb": 0.5}}
+    recipe = micro_recipe(executor={**executor, **changes})
     return parse_recipe(recipe, f"{kind} recipe").executor
 
 

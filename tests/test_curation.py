@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from infra.recipe import parse_recipe
+from infra.recipe import RecipeError, parse_recipe
 from infra.steps import fingerprint_tree
 from tasks.curation import pipelines, tokenizer
 from tasks.curation.mixtures import MixtureError, resolve_mixtures, split_budget
@@ -223,9 +223,15 @@ def test_executor_construction_for_clusters(tmp_path):
     name = pipelines.slurm_job_name("filter-web", tmp_path / "logs")
     assert (ex.tasks, ex.partition, ex.time, ex.job_name) == (64, "hopper-cpu", "02:00:00", name)
     assert ex.venv_path.endswith("bin/activate")
-    recipe = parse_recipe(micro_recipe(executor={"kind": "ray", "tasks": 16, "workers": 4}), "m")
+    assert ex.tasks_per_job == 1, "datatrove's default: one array job a shard"
+    recipe = parse_recipe(micro_recipe(executor={"kind": "ray", "tasks": 16, "workers": 4, "tasks_per_job": 3}), "m")
     ray = pipelines.make_executor(recipe.executor, [], tmp_path / "ray-logs", 16, "dedup")
-    assert isinstance(ray, RayPipelineExecutor) and ray.tasks == 16 and ray.workers == 4
+    assert isinstance(ray, RayPipelineExecutor) and (ray.tasks, ray.workers, ray.tasks_per_job) == (16, 4, 3)
+    # 'even': each of `workers` jobs runs its share, whatever a pipeline's shards (minhash buckets: 14)
+    even = parse_recipe(micro_recipe(executor={"kind": "slurm", "tasks": 2, "workers": 4, "tasks_per_job": "even"}), "m").executor
+    assert [pipelines.tasks_per_job(even, n) for n in (2, 4, 14)] == [1, 1, 4]
+    with pytest.raises(RecipeError, match="executor.tasks_per_job"):
+        parse_recipe(micro_recipe(executor={"tasks_per_job": 0}), "m")
 
 
 def test_minhash_signatures_hash_the_same_shingles_as_datatrove():

@@ -59,6 +59,16 @@ def log_tails(server: Server) -> str:
     return "".join(f"\n--- {log.name} ---\n{log.read_text(errors='replace')[-4000:]}" for log in sorted(server.state.glob("*.log")))
 
 
+def server_stacks(server: Server) -> str:
+    """Where the server's processes are (py-spy dump): what a server that stopped answering waits on."""
+    pid = server.pid("server")
+    if pid is None:
+        return "(the server is gone)"
+    family = [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
+    spy = Path(sys.executable).with_name("py-spy")
+    return "".join(subprocess.run([str(spy), "dump", "--pid", str(p)], capture_output=True, text=True, timeout=60).stdout for p in family)
+
+
 @dataclass(frozen=True)
 class Launched:
     run_id: str
@@ -103,13 +113,20 @@ def run_deployment(server: Server, name: str, params: dict) -> str:
     return re.search(r"UUID: ([0-9a-f-]{36})", out.stdout).group(1)
 
 
+SILENT_S = 300  # a server that answers nothing for this long has hung (a lock waits at most 60 s, then 503)
+
+
 def wait_final(server: Server, run_id: str, timeout_s: float = 1500) -> dict:
-    deadline = time.time() + timeout_s
+    deadline, answered = time.time() + timeout_s, time.time()
     while time.time() < deadline:
         try:
             run = api(server, f"/flow_runs/{run_id}")
-        except OSError:  # a busy 2-core machine: the server may answer late; ask again
+        except OSError as err:  # a busy 2-core machine: the server may answer late; ask again
+            if time.time() - answered > SILENT_S:  # seen once (the flow run finished, then no answer for 17 min)
+                pytest.fail(f"the server has answered nothing for {SILENT_S} s ({err}):\n{server_stacks(server)}{log_tails(server)}")
+            time.sleep(3)
             continue
+        answered = time.time()
         if run["state_type"] in ("COMPLETED", "FAILED", "CANCELLED"):
             return run
         time.sleep(3)

@@ -169,6 +169,8 @@ def test_a_busy_controller_never_cancels_a_job_and_a_job_that_cannot_start_fails
 def test_curation_on_slurm_keeps_the_same_documents_as_local(slurm, planted, tmp_path):  # noqa: F811
     steps = curate_and_compare(slurm_executor(), planted, tmp_path)
     assert list((steps["dedup"] / "logs").rglob("slurm_logs/*.out")), "the jobs' Slurm logs are in the step folder"
+    buckets = steps["dedup"] / "logs" / "minhash-buckets"  # 14 shards (one a bucket), 2 workers, tasks_per_job 'even'
+    assert len(list((buckets / "completions").iterdir())) == 14 and len(list(buckets.glob("slurm_logs/*.out"))) == 2
     assert slurm.jobs() == []
 
 

@@ -12,6 +12,7 @@ import gzip
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -81,6 +82,7 @@ def make_executor(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: in
             cpus_per_task=cfg.slurm.cpus_per_task,
             mem_per_cpu_gb=cfg.slurm.mem_per_cpu_gb,
             workers=cfg.workers,
+            tasks_per_job=tasks_per_job(cfg, tasks),
             job_name=slurm_job_name(job_name, logging_dir),
             # datatrove writes `{mem_per_cpu_gb}G`, which sbatch refuses for a float ("2.0G"): megabytes instead
             sbatch_args={"mem-per-cpu": f"{round(cfg.slurm.mem_per_cpu_gb * 1024)}M", **cfg.slurm.sbatch_args},
@@ -93,9 +95,16 @@ def make_executor(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: in
         pipeline,
         tasks=tasks,
         workers=cfg.workers,
+        tasks_per_job=tasks_per_job(cfg, tasks),
         logging_dir=str(logging_dir),
         time=round(cfg.timeout_hours * 3600),  # per task: Ray's executor runs them to the end itself
     )
+
+
+def tasks_per_job(cfg: ExecutorCfg, tasks: int) -> int:
+    """Shards per Slurm array job or Ray actor. Each job is a fresh process that imports datatrove and this module
+    (~3 s), more than a micro shard's own work: 'even' starts at most `workers` jobs a pipeline."""
+    return math.ceil(tasks / cfg.workers) if cfg.tasks_per_job == "even" else cfg.tasks_per_job
 
 
 def _preload_forkserver() -> None:

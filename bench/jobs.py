@@ -1,0 +1,86 @@
+"""Benchmark: a pipeline of small shards on Slurm and Ray, one job a shard (`executor.tasks_per_job: 1`, datatrove's
+default) against `even` (at most `workers` jobs a pipeline), the two alternating on the same cores.
+
+Each job is a new process that imports datatrove and tasks.curation (a Slurm array job, a Ray actor); a micro
+recipe's shard takes milliseconds, so the jobs' starts are the pipeline's cost. The bench starts a Slurm cluster and
+a Ray head of its own (state in a temporary folder; Slurm needs root), runs SHARDS shards that pass no documents (the
+micro recipe's minhash-buckets stage: 14 shards of milliseconds) with 2 workers, and prints each setting's median
+wall and busy CPU (/proc/stat: it counts the jobs slurmd and Ray start, so keep the box otherwise idle) and the ratio.
+
+    .venv/bin/python bench/jobs.py [--rounds 3] [--shards 14] [--engines slurm ray]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.chdir(REPO)  # a Slurm job runs in the submitting folder and imports tasks.curation from it
+
+from bench.suite import busy_s  # noqa: E402
+from flows.cluster import Ray, Slurm, free_port_pair  # noqa: E402
+from infra.launch import free_port  # noqa: E402
+from infra.recipe import ExecutorCfg  # noqa: E402
+from tasks.curation import pipelines  # noqa: E402
+
+
+def no_docs(docs, rank: int = 0, world_size: int = 1):
+    yield from docs or []
+
+
+def one_run(kind: str, per_job: int | str, shards: int, work: Path) -> tuple[float, float]:
+    cfg = ExecutorCfg(kind=kind, workers=2, tasks_per_job=per_job, slurm={"mem_per_cpu_gb": 0.5})
+    logs = Path(tempfile.mkdtemp(dir=work))
+    cpu, wall = busy_s(), time.perf_counter()
+    pipelines.run_pipeline(cfg, [no_docs], logs, shards, "bench-jobs")
+    return time.perf_counter() - wall, busy_s() - cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each setting, alternating (default 3)")
+    ap.add_argument("--shards", type=int, default=14, help="shards of the pipeline (default 14, the minhash buckets)")
+    ap.add_argument("--engines", nargs="+", choices=["slurm", "ray"], default=["slurm", "ray"])
+    args = ap.parse_args()
+    from loguru import logger  # datatrove's: a line per rank and pipeline, and a warning each about the local disk
+
+    logger.remove()
+    logger.add(sys.stderr, level="ERROR")
+    with tempfile.TemporaryDirectory(prefix="bench-jobs-") as tmp:
+        work = Path(tmp)
+        clusters = {"slurm": Slurm(state=work / "slurm", port=free_port_pair()), "ray": Ray(state=work / "ray", port=free_port())}
+        for kind in args.engines:
+            cluster = clusters[kind]
+            if kind == "slurm":
+                cluster.start(timeout_s=180)
+                os.environ["SLURM_CONF"] = str(cluster.conf)
+            else:
+                cluster.start()
+                os.environ.update(cluster.env())
+            try:
+                runs: dict[str, list[tuple[float, float]]] = {"1": [], "even": []}
+                for _ in range(args.rounds):
+                    for per_job in runs:
+                        runs[per_job].append(one_run(kind, int(per_job) if per_job.isdigit() else per_job, args.shards, work))
+            finally:
+                if kind == "ray":
+                    import ray
+
+                    ray.shutdown()
+                cluster.stop()
+            (wall1, cpu1), (walle, cpue) = ([statistics.median(x) for x in zip(*runs[k])] for k in ("1", "even"))
+            print(f"{kind}: {args.shards} shards, 2 workers, median of {args.rounds} alternating runs each")
+            print(f"  tasks_per_job 1:    {wall1:6.1f} s wall, {cpu1:6.1f} busy CPU s ({args.shards} jobs)")
+            print(f"  tasks_per_job even: {walle:6.1f} s wall, {cpue:6.1f} busy CPU s (2 jobs)")
+            print(f"  even / 1:           {walle / wall1:6.2f}x wall, {cpue / cpu1:6.2f}x CPU")
+
+
+if __name__ == "__main__":
+    main()
