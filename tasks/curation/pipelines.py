@@ -97,7 +97,7 @@ def make_executor(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: in
         workers=cfg.workers,
         tasks_per_job=tasks_per_job(cfg, tasks),
         logging_dir=str(logging_dir),
-        time=round(cfg.timeout_hours * 3600),  # per task: Ray's executor runs them to the end itself
+        time=round(cfg.timeout_hours * 3600),  # per job (tasks_per_job shards): Ray's executor runs them to the end itself
     )
 
 
