@@ -13,6 +13,7 @@ wall and busy CPU (/proc/stat: it counts the jobs slurmd and Ray start, so keep 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -35,8 +36,11 @@ def no_docs(docs, rank: int = 0, world_size: int = 1):
     yield from docs or []
 
 
-def one_run(kind: str, per_job: int | str, shards: int, work: Path) -> tuple[float, float]:
-    cfg = ExecutorCfg(kind=kind, workers=2, tasks_per_job=per_job, slurm={"mem_per_cpu_gb": 0.5})
+def executor(kind: str, per_job: int | str) -> ExecutorCfg:
+    return ExecutorCfg(kind=kind, workers=2, tasks_per_job=per_job, slurm={"mem_per_cpu_gb": 0.5})
+
+
+def one_run(cfg: ExecutorCfg, shards: int, work: Path) -> tuple[float, float]:
     logs = Path(tempfile.mkdtemp(dir=work))
     cpu, wall = busy_s(), time.perf_counter()
     pipelines.run_pipeline(cfg, [no_docs], logs, shards, "bench-jobs")
@@ -64,21 +68,23 @@ def main() -> None:
             else:
                 cluster.start()
                 os.environ.update(cluster.env())
+            runs: dict[int | str, list[tuple[float, float]]] = {1: [], "even": []}
             try:
-                runs: dict[str, list[tuple[float, float]]] = {"1": [], "even": []}
                 for _ in range(args.rounds):
-                    for per_job in runs:
-                        runs[per_job].append(one_run(kind, int(per_job) if per_job.isdigit() else per_job, args.shards, work))
+                    for per_job, times in runs.items():
+                        times.append(one_run(executor(kind, per_job), args.shards, work))
             finally:
                 if kind == "ray":
                     import ray
 
                     ray.shutdown()
                 cluster.stop()
-            (wall1, cpu1), (walle, cpue) = ([statistics.median(x) for x in zip(*runs[k])] for k in ("1", "even"))
             print(f"{kind}: {args.shards} shards, 2 workers, median of {args.rounds} alternating runs each")
-            print(f"  tasks_per_job 1:    {wall1:6.1f} s wall, {cpu1:6.1f} busy CPU s ({args.shards} jobs)")
-            print(f"  tasks_per_job even: {walle:6.1f} s wall, {cpue:6.1f} busy CPU s (2 jobs)")
+            medians = {per_job: [statistics.median(x) for x in zip(*times)] for per_job, times in runs.items()}
+            for per_job, (wall, cpu) in medians.items():
+                jobs = math.ceil(args.shards / pipelines.tasks_per_job(executor(kind, per_job), args.shards))
+                print(f"  tasks_per_job {per_job!s:4}: {wall:6.1f} s wall, {cpu:6.1f} busy CPU s ({jobs} jobs)")
+            (wall1, cpu1), (walle, cpue) = medians.values()
             print(f"  even / 1:           {walle / wall1:6.2f}x wall, {cpue / cpu1:6.2f}x CPU")
 
 

@@ -65,7 +65,9 @@ def server_stacks(server: Server) -> str:
     if pid is None:
         return "(the server is gone)"
     family = [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
-    spy = Path(sys.executable).with_name("py-spy")
+    spy = Path(sys.executable).with_name("py-spy")  # the `cluster` extra's (make setup)
+    if not spy.exists():
+        return f"(no {spy} to show the server's stacks)"
     return "".join(subprocess.run([str(spy), "dump", "--pid", str(p)], capture_output=True, text=True, timeout=60).stdout for p in family)
 
 

@@ -103,7 +103,7 @@ def make_executor(cfg: ExecutorCfg, pipeline: list, logging_dir: Path, tasks: in
 
 def tasks_per_job(cfg: ExecutorCfg, tasks: int) -> int:
     """Shards per Slurm array job or Ray actor. Each job is a fresh process that imports datatrove and this module
-    (~3 s), more than a micro shard's own work: 'even' starts at most `workers` jobs a pipeline."""
+    (~2.3 CPU s, bench/jobs.py), more than a micro shard's own work: 'even' starts at most `workers` jobs a pipeline."""
     return math.ceil(tasks / cfg.workers) if cfg.tasks_per_job == "even" else cfg.tasks_per_job
 
 
