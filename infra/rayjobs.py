@@ -29,13 +29,26 @@ def connect(address: str | None) -> None:
     if ray.is_initialized():
         return
     try:
-        ray.init(address=address or "auto", log_to_driver=False, configure_logging=False)
+        setup = {"worker_process_setup_hook": f"{__name__}.{pools_fork_from_a_server.__name__}"}
+        ray.init(address=address or "auto", log_to_driver=False, configure_logging=False, runtime_env=setup)
     except ConnectionError as err:
         raise SmolflowError(
             f"no Ray cluster at {address or 'auto (RAY_ADDRESS, or the last one started here)'}: {err}; "
             "start one with `smolflow cluster ray start` or set the recipe's ray_address (its head wants its token: "
             "`source .smolflow/env` exports RAY_AUTH_MODE and RAY_AUTH_TOKEN_PATH)"
         ) from err
+
+
+def pools_fork_from_a_server() -> None:
+    """Run by each Ray worker of this driver as it starts. A worker runs threads from its start, and a fork of a
+    threaded process can hang for good (a lock held at the fork stays held in the child). datatrove's Ray actor runs
+    its job's shards in a process pool: forked from the actor, 6 of a pool's 14 processes once never ran, and the actor
+    waited on them with every shard complete. Its pools fork from a forkserver instead, which runs no threads and has
+    datatrove's executor imported once for them."""
+    import multiprocess
+
+    multiprocess.set_start_method("forkserver", force=True)
+    multiprocess.set_forkserver_preload(["datatrove.executor.ray"])
 
 
 def run_task(

@@ -99,8 +99,9 @@ class ExecutorCfg(Strict):
     workers: int = operational(2, gt=0, description="shards run at once (local executor)")
     tasks_per_job: PerJob = operational(
         1,
-        description="shards one Slurm array job or Ray actor runs in turn (datatrove's tasks_per_job); 'even': "
-        "ceil(shards / workers), so a pipeline starts at most `workers` jobs, for shards shorter than a job's start",
+        description="shards one Slurm array job (in turn) or Ray actor (at once, a process each) runs (datatrove's "
+        "tasks_per_job); 'even': ceil(shards / workers), so a pipeline starts at most `workers` jobs, for shards shorter "
+        "than a job's start",
     )
     slurm: SlurmCfg = operational(SlurmCfg())
     timeout_hours: float = operational(48, gt=0, description="a cluster pipeline still incomplete after this long fails its task")

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from infra.recipe import LauncherCfg, Strict, parse_recipe
 from infra.steps import NoInputs
@@ -53,6 +56,12 @@ def sleep_long(docs, rank: int = 0, world_size: int = 1):
 def fail_on_rank_1(docs, rank: int = 0, world_size: int = 1):
     if rank == 1:
         raise RuntimeError("rank 1 broke on purpose")
+    yield from docs or []
+
+
+def record_parent(docs, rank: int = 0, world_size: int = 1, folder: str = ""):
+    """Writes the command line of the process that started this shard's process to FOLDER/RANK."""
+    Path(folder, str(rank)).write_text(" ".join(psutil.Process(os.getppid()).cmdline()))
     yield from docs or []
 
 

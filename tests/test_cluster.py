@@ -4,6 +4,7 @@ proxies as Ray tasks at once. Slurm alone: tests/test_slurm.py (another worker: 
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from tests.clusters import (
     curate_and_compare,
     fail_on_rank_1,
     micro_swarm,
+    record_parent,
     run_watched,
     scores,
 )
@@ -184,6 +186,16 @@ def test_the_ray_head_refuses_a_process_without_its_token(ray_head):
     out = subprocess.run([sys.executable, "-c", join], env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode != 0 and "InvalidAuthToken" in out.stderr, out.stderr[-2000:]
     assert ray_head.token.stat().st_mode & 0o077 == 0 and ray_head.state.stat().st_mode & 0o077 == 0
+
+
+def test_a_ray_actors_shards_run_in_processes_forked_by_a_forkserver_not_by_the_actor(ray_head, tmp_path):
+    """datatrove's Ray actor runs its job's shards in a process pool. Forked from the actor, which runs threads from its
+    start, 6 of a pool's 14 processes once hung before they ran, and the actor waited on them with every shard complete
+    (infra.rayjobs.pools_fork_from_a_server)."""
+    step = functools.partial(record_parent, folder=str(tmp_path))
+    pipelines.run_pipeline(cluster_executor("ray"), [step], tmp_path / "logs", 4, "forks")  # 2 actors, 2 shards each
+    parents = {p.name: p.read_text() for p in tmp_path.iterdir() if p.name.isdigit()}
+    assert sorted(parents) == ["0", "1", "2", "3"] and all("forkserver" in cmd for cmd in parents.values()), parents
 
 
 def test_a_failed_ray_task_fails_the_task_with_its_log(ray_head, tmp_path):

@@ -234,6 +234,25 @@ def test_executor_construction_for_clusters(tmp_path):
         parse_recipe(micro_recipe(executor={"tasks_per_job": 0}), "m")
 
 
+def test_a_failed_ranks_slurm_output_is_that_of_the_job_that_ran_it_in_the_last_launch(tmp_path):
+    """datatrove numbers a launch's array jobs by position in its ranks_to_run.json, tasks_per_job ranks a job: job
+    RANK's output was another rank's, or an earlier launch's (the error's log tail was `*_RANK.out`)."""
+    ex = parse_recipe(micro_recipe(executor={"kind": "slurm", "tasks": 8, "workers": 4, "tasks_per_job": 2}), "m").executor
+    logs = tmp_path / "logs"
+    executor = pipelines.make_executor(ex, [], logs, 8, "filter-web")
+    (logs / "slurm_logs").mkdir(parents=True)
+    for job, ranks in ((100, [0, 1, 2, 3, 4, 5, 6, 7]), (200, [1, 5, 6])):  # a launch, then the retry of 3 ranks
+        (logs / "ranks_to_run.json").write_text(json.dumps(ranks))
+        for index in range(len(ranks) // 2 + len(ranks) % 2):
+            (logs / "slurm_logs" / f"{job}_{index}.out").write_text(f"job {job}: ranks {ranks[2 * index : 2 * index + 2]}\n")
+    tails = {rank: pipelines._rank_log_tail(logs, rank, pipelines._slurm_outputs(executor, rank)) for rank in (1, 5, 6, 2)}
+    assert [tail.splitlines()[-1] for tail in tails.values()][:3] == ["job 200: ranks [1, 5]"] * 2 + ["job 200: ranks [6]"]
+    assert tails[2] == f"(no log under {logs})", "rank 2 was not launched last time: no job's output is its own"
+    (logs / "logs").mkdir()
+    (logs / "logs" / "task_00005.log").write_text("rank 5 logged this\n")
+    assert pipelines._rank_log_tail(logs, 5, pipelines._slurm_outputs(executor, 5)).endswith("rank 5 logged this"), "its own log first"
+
+
 def test_minhash_signatures_hash_the_same_shingles_as_datatrove():
     """The faster signature step (no diacritics pass on ASCII text) must find exactly datatrove's shingles."""
     import numpy as np

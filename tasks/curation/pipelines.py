@@ -296,7 +296,7 @@ def _wait_for_slurm(executor, cfg: ExecutorCfg, logging_dir: Path, tasks: int, j
                 return
             raise ClusterJobFailed(
                 f"{job_name}: its Slurm jobs ended with {len(left)} of {tasks} tasks incomplete (ranks {left[:10]}); "
-                f"a retry runs only those. Rank {left[0]}:\n{_rank_log_tail(logging_dir, left[0])}"
+                f"a retry runs only those. Rank {left[0]}:\n{_rank_log_tail(logging_dir, left[0], _slurm_outputs(executor, left[0]))}"
             )
         if time.time() > deadline:
             raise ClusterTimeout(
@@ -308,13 +308,26 @@ def _wait_for_slurm(executor, cfg: ExecutorCfg, logging_dir: Path, tasks: int, j
         time.sleep(1)
 
 
-def _rank_log_tail(logging_dir: Path, rank: int, lines: int = 20) -> str:
-    """The end of a rank's datatrove log, else of its Slurm output (where a crash before logging shows)."""
-    candidates = [logging_dir / "logs" / f"task_{rank:05d}.log", *sorted((logging_dir / "slurm_logs").glob(f"*_{rank}.out"))]
-    for path in candidates:
+def _rank_log_tail(logging_dir: Path, rank: int, job_outputs: list[Path] = (), lines: int = 20) -> str:
+    """The end of a rank's datatrove log, else of the output of the Slurm job that ran it (where a crash before logging shows)."""
+    for path in [logging_dir / "logs" / f"task_{rank:05d}.log", *job_outputs]:
         if path.exists() and path.stat().st_size:
             return f"{path}:\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     return f"(no log under {logging_dir})"
+
+
+def _slurm_outputs(executor: SlurmPipelineExecutor, rank: int) -> list[Path]:
+    """The Slurm output of the array job that ran RANK in the last launch, newest first. datatrove numbers a launch's
+    jobs by position in its ranks_to_run.json, `tasks_per_job` positions a job, not by rank: with several ranks a job,
+    or on a retry (which launches only the incomplete ranks), job RANK's output is another rank's."""
+    folder = Path(executor.logging_dir.path)
+    listed = json.loads((folder / "ranks_to_run.json").read_text()) if (folder / "ranks_to_run.json").exists() else []
+    if rank not in listed:
+        return []
+    index = listed.index(rank) // executor.tasks_per_job
+    if executor.max_array_size != -1:  # a longer launch is split into arrays of this many jobs, each numbered from 0
+        index %= executor.max_array_size
+    return sorted(Path(executor.slurm_logs_folder).glob(f"*_{index}.out"), key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 def read_stats(logging_dir: Path) -> list[dict]:
