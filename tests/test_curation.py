@@ -245,12 +245,15 @@ def test_a_failed_ranks_slurm_output_is_that_of_the_job_that_ran_it_in_the_last_
         (logs / "ranks_to_run.json").write_text(json.dumps(ranks))
         for index in range(len(ranks) // 2 + len(ranks) % 2):
             (logs / "slurm_logs" / f"{job}_{index}.out").write_text(f"job {job}: ranks {ranks[2 * index : 2 * index + 2]}\n")
-    tails = {rank: pipelines._rank_log_tail(logs, rank, pipelines._slurm_outputs(executor, rank)) for rank in (1, 5, 6, 2)}
-    assert [tail.splitlines()[-1] for tail in tails.values()][:3] == ["job 200: ranks [1, 5]"] * 2 + ["job 200: ranks [6]"]
-    assert tails[2] == f"(no log under {logs})", "rank 2 was not launched last time: no job's output is its own"
+
+    def tail(rank: int) -> str:
+        return pipelines._rank_log_tail(logs, rank, pipelines._slurm_outputs(executor, rank))
+
+    assert [tail(rank).splitlines()[-1] for rank in (1, 5, 6)] == ["job 200: ranks [1, 5]"] * 2 + ["job 200: ranks [6]"]
+    assert tail(2) == f"(no log under {logs})", "rank 2 was not launched last time: no job's output is its own"
     (logs / "logs").mkdir()
     (logs / "logs" / "task_00005.log").write_text("rank 5 logged this\n")
-    assert pipelines._rank_log_tail(logs, 5, pipelines._slurm_outputs(executor, 5)).endswith("rank 5 logged this"), "its own log first"
+    assert tail(5).endswith("rank 5 logged this"), "its own log first"
 
 
 def test_minhash_signatures_hash_the_same_shingles_as_datatrove():

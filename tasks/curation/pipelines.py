@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -308,7 +309,7 @@ def _wait_for_slurm(executor, cfg: ExecutorCfg, logging_dir: Path, tasks: int, j
         time.sleep(1)
 
 
-def _rank_log_tail(logging_dir: Path, rank: int, job_outputs: list[Path] = (), lines: int = 20) -> str:
+def _rank_log_tail(logging_dir: Path, rank: int, job_outputs: Sequence[Path] = (), lines: int = 20) -> str:
     """The end of a rank's datatrove log, else of the output of the Slurm job that ran it (where a crash before logging shows)."""
     for path in [logging_dir / "logs" / f"task_{rank:05d}.log", *job_outputs]:
         if path.exists() and path.stat().st_size:
@@ -320,8 +321,8 @@ def _slurm_outputs(executor: SlurmPipelineExecutor, rank: int) -> list[Path]:
     """The Slurm output of the array job that ran RANK in the last launch, newest first. datatrove numbers a launch's
     jobs by position in its ranks_to_run.json, `tasks_per_job` positions a job, not by rank: with several ranks a job,
     or on a retry (which launches only the incomplete ranks), job RANK's output is another rank's."""
-    folder = Path(executor.logging_dir.path)
-    listed = json.loads((folder / "ranks_to_run.json").read_text()) if (folder / "ranks_to_run.json").exists() else []
+    launched = Path(executor.logging_dir.path, "ranks_to_run.json")
+    listed = json.loads(launched.read_text()) if launched.exists() else []
     if rank not in listed:
         return []
     index = listed.index(rank) // executor.tasks_per_job
