@@ -73,6 +73,7 @@ def run_grpo(
         apply_vllm_defaults()
         if not torch.cuda.is_available():
             keep_plain_engine_weights()
+            run_engine_eagerly()
     args = trl_args(
         GRPOConfig,
         cfg,
@@ -109,6 +110,22 @@ def keep_plain_engine_weights() -> None:
         layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
 
     utils.dispatch_cpu_unquantized_gemm = plain_linear
+
+
+def run_engine_eagerly() -> None:
+    """Let the colocated engine on CPU generate without compiling anything, as `vllm_engine_args` does elsewhere.
+
+    TRL builds it without `enforce_eager`, so vLLM compiled the model at every launch (torch.compile, g++), and its
+    torch.compiled log-prob count too, for seconds of generation: 25 of a vLLM test's 69 CPU s (docs/developing.md).
+    Nothing in the rank compiles on purpose, so torch.compile is turned off for all of it.
+    """
+    import functools
+
+    import torch._dynamo
+    from trl.generation import vllm_generation
+
+    vllm_generation.LLM = functools.partial(vllm_generation.LLM, enforce_eager=True)
+    torch._dynamo.config.disable = True
 
 
 def unwrap_vllm_compile(model: torch.nn.Module) -> None:

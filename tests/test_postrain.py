@@ -696,10 +696,11 @@ def psutil_children() -> list:
 
 
 @pytest.mark.slow
-def test_grpo_with_vllm_rollouts_records_its_rewards_and_resumes_after_a_kill(vllm_sft, tmp_path):
+def test_grpo_with_vllm_rollouts_records_its_rewards_and_resumes_after_a_kill(vllm_sft, tmp_path, monkeypatch):
     """TRL's colocate mode on vLLM's CPU build, launched as the pipeline does; SIGKILL after checkpoint-4 of 12.
     vLLM's log-probs of its own samples agree with the trainer's only if the engine holds the policy's
-    current weights, so after the resume they prove the weights were pushed in again."""
+    current weights, so after the resume they prove the weights were pushed in again. The engine compiles
+    nothing on CPU: vLLM's and torch's compile caches, here the test's own folders, stay empty."""
     import json
     import threading
 
@@ -708,6 +709,9 @@ def test_grpo_with_vllm_rollouts_records_its_rewards_and_resumes_after_a_kill(vl
     from infra.errors import TrainerFailed
     from tasks.postrain import train
 
+    vllm_cache, inductor_cache = tmp_path / "vllm-cache", tmp_path / "inductor-cache"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(vllm_cache))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
     cfg = launched(1)
     data = tmp_path / "prompts.jsonl"
     chat.write_jsonl(data, chat.generate(200, {"arithmetic": 1.0}, 9, 13))
@@ -740,3 +744,5 @@ def test_grpo_with_vllm_rollouts_records_its_rewards_and_resumes_after_a_kill(vl
     history = json.loads((out / "checkpoints" / "checkpoint-12" / "trainer_state.json").read_text())["log_history"]
     gaps = [row["sampling/sampling_logp_difference/mean"] for row in history if row.get("step", 0) > 4 and "reward" in row]
     assert len(gaps) == 8 and max(gaps) < 0.05, f"vLLM's samples do not come from the trained policy: {gaps}"
+    compiled = [*(vllm_cache / "torch_compile_cache").rglob("*.so"), *inductor_cache.rglob("*.so")]
+    assert not compiled, f"the engine compiled {len(compiled)} kernels, such as {compiled[0]}"
