@@ -7,7 +7,8 @@ system, irq, softirq over all cores) across the run: it counts what the suite st
 idle; the idle box's own busy time over the same span is measured first and printed. Each side's CPU is also
 split by kind of process (trainer ranks, eval children, Prefect servers, Ray workers...): every process is sampled
 once a second and keeps its last CPU reading, so a process shorter than a second, and a process's last second, are
-missed; the table says how much of the busy time it explains.
+missed; the table says how much of the busy time it explains, and lists the commands of the unnamed kinds
+("other") that used the most, which is where to look next.
 With `--profile RAW` (one side only) the side runs under `py-spy record --subprocesses` (20 samples a second, raw
 stacks to RAW) and each kind's samples are split into module imports (a stack inside `_find_and_load`) and the rest,
 with the packages whose imports cost the most. py-spy counts a thread busy unless it sees it wait, so an event loop's
@@ -72,6 +73,7 @@ class Census:
 
     def __init__(self) -> None:
         self.seen: dict[tuple[int, float], tuple[str, float]] = {}
+        self.commands: dict[tuple[int, float], str] = {}  # of the kinds OTHER only: what to look at next
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -80,7 +82,13 @@ class Census:
             for p in psutil.process_iter(["cmdline", "create_time"]):
                 try:
                     key = (p.pid, p.info["create_time"])
-                    kind = self.seen[key][0] if key in self.seen else kind_of(" ".join(p.info["cmdline"] or []))
+                    if key in self.seen:
+                        kind = self.seen[key][0]
+                    else:
+                        command = " ".join(p.info["cmdline"] or [])
+                        kind = kind_of(command)
+                        if kind in OTHER:
+                            self.commands[key] = command
                     t = p.cpu_times()
                     self.seen[key] = (kind, t.user + t.system)
                 except psutil.Error:
@@ -105,6 +113,19 @@ class Census:
             row["processes"] += 1
             row["cpu_s"] += cpu
         return dict(sorted(out.items(), key=lambda kv: -kv[1]["cpu_s"]))
+
+    def others(self, top: int = 8) -> list[tuple[str, int, float]]:
+        """The command lines of OTHER kinds that used the most CPU (digits as N, so that runs of one program add up)."""
+        rows: dict[str, list[float]] = {}
+        for key, command in self.commands.items():
+            if key not in self.before:
+                row = rows.setdefault(re.sub(r"\d+", "N", command)[:120], [0, 0.0])
+                row[0] += 1
+                row[1] += self.seen[key][1]
+        return sorted(((c, int(n), cpu) for c, (n, cpu) in rows.items()), key=lambda r: -r[2])[:top]
+
+
+OTHER = ("other Python", "other programs")
 
 
 def kind_of(cmd: str) -> str:
@@ -209,6 +230,9 @@ def run_suite(rev: str, workers: int, extra: list[str], log: Path | None, raw: P
     print(f"{rev}: {tail}\n  wall {wall:.0f} s, CPU {cpu:.0f} s ({cpu / wall:.2f} cores busy)", flush=True)
     kinds = census.by_kind()
     print_kinds(kinds, cpu)
+    print("  most CPU among the other processes:")
+    for command, n, cpu_s in census.others():
+        print(f"  {cpu_s:8.0f} s {n:5d} processes  {command}")
     imports = import_split(raw) if raw else None
     if imports:
         print_imports(imports)
