@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 from trl.rewards import get_soft_overlong_punishment
 
-from infra.env import apply_vllm_defaults
+from infra.env import apply_vllm_defaults, vllm_engine_args
 from infra.recipe import GRPOCfg
 from postrain.common import train_and_save, trl_args
 from postrain.data import is_correct
@@ -73,7 +73,7 @@ def run_grpo(
         apply_vllm_defaults()
         if not torch.cuda.is_available():
             keep_plain_engine_weights()
-            run_engine_eagerly()
+            start_engine_as_elsewhere()
     args = trl_args(
         GRPOConfig,
         cfg,
@@ -112,10 +112,10 @@ def keep_plain_engine_weights() -> None:
     utils.dispatch_cpu_unquantized_gemm = plain_linear
 
 
-def run_engine_eagerly() -> None:
-    """Let the colocated engine on CPU generate without compiling anything, as `vllm_engine_args` does elsewhere.
+def start_engine_as_elsewhere() -> None:
+    """Start the colocated engine on CPU with `vllm_engine_args`, as every other engine here; TRL's own keywords win.
 
-    TRL builds it without `enforce_eager`, so vLLM compiled the model at every launch (torch.compile, g++), and its
+    TRL passes no `enforce_eager`, so vLLM compiled the model at every launch (torch.compile, g++), and its
     torch.compiled log-prob count too, for seconds of generation: 25 of a vLLM test's 69 CPU s (docs/developing.md).
     Nothing in the rank compiles on purpose, so torch.compile is turned off for all of it.
     """
@@ -124,7 +124,7 @@ def run_engine_eagerly() -> None:
     import torch._dynamo
     from trl.generation import vllm_generation
 
-    vllm_generation.LLM = functools.partial(vllm_generation.LLM, enforce_eager=True)
+    vllm_generation.LLM = functools.partial(vllm_generation.LLM, **vllm_engine_args(cuda=False))
     torch._dynamo.config.disable = True
 
 
